@@ -1,0 +1,25 @@
+# Each target bootstraps .venv itself, so a fresh clone needs only `make train` or `make test`.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: train test bench lint clean
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+train: $(STAMP)   ## the default job: digits, small CNN, CPU, about a minute
+	$(PY) train.py
+
+test: $(STAMP)    ## every test; brings up the single-node SLURM cluster when root
+	bash scripts/test.sh
+
+bench: $(STAMP)   ## benchmarks, printed as ratios against a baseline of the same run
+	$(PY) -m labrun.cli bench all
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests train.py benchmarks
+	$(VENV)/bin/labrun configs check
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,140 @@
+"""CheckpointManager: atomic saves, keep-last-N history, best-by-metric, resume.
+
+Layout of a run's checkpoints/ folder (after timm's CheckpointSaver):
+    step-00000420.pt   the history, the newest `keep_last` kept
+    last.pt            the newest checkpoint (a hard link to the newest step file)
+    best.pt            the checkpoint with the best monitored value so far
+
+Every file is written to a temporary name, flushed to disk and renamed, so a file that exists
+under its final name is never half-written, even if the process is killed mid-save. Checkpoints
+are plain dicts of tensors and numbers, loaded with `weights_only=True`: nothing here unpickles
+arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labrun.errors import LabrunError
+
+STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
+
+
+class CheckpointError(LabrunError):
+    """A checkpoint could not be written or read; the message names the file and the fix."""
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint safely; a file that is not a labrun checkpoint raises CheckpointError."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such checkpoint") from None
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0][:200]
+        if "weights_only" in str(error) or "Unsupported global" in str(error):
+            reason = "it holds pickled objects that could run code, refused (weights_only)"
+        raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from error
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{path}: not a labrun checkpoint (no 'model' entry)")
+    return state
+
+
+class CheckpointManager:
+    def __init__(self, folder: str | Path, monitor: str = "val/acc", mode: str = "max",
+                 keep_last: int = 3):
+        self.folder = Path(folder)
+        self.monitor, self.mode, self.keep_last = monitor, mode, keep_last
+
+    # -- deciding what is best -----------------------------------------------------------------
+
+    def is_better(self, value: float | None, best: float | None) -> bool:
+        if value is None or not math.isfinite(value):
+            return False
+        if best is None:
+            return True
+        return value > best if self.mode == "max" else value < best
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, state: dict[str, Any], step: int, is_best: bool = False) -> Path:
+        """Write step-NNNNNNNN.pt, point last.pt (and best.pt if `is_best`) at it, prune."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"step-{step:08d}.pt"
+        self._write_atomic(state, path)
+        self._link(path, self.folder / "last.pt")
+        if is_best:
+            self._link(path, self.folder / "best.pt")
+        self._prune()
+        return path
+
+    def _write_atomic(self, state: dict[str, Any], path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            previous = self.latest_path()
+            kept = f"; the previous checkpoint {previous.name} is intact" if previous else ""
+            hint = "free some disk space" if error.errno == errno.ENOSPC else "check the folder"
+            raise CheckpointError(f"could not write checkpoint {path}: "
+                                  f"{error.strerror or error}{kept}; {hint}") from error
+
+    def _link(self, target: Path, link: Path) -> None:
+        """Atomically make `link` the same file as `target` (a hard link, or a copy)."""
+        tmp = link.with_name(f".{link.name}.tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(target, tmp)
+        except OSError:  # file systems without hard links
+            import shutil
+            shutil.copyfile(target, tmp)
+        os.replace(tmp, link)
+
+    def _prune(self) -> None:
+        history = self.history()
+        for path in history[:-self.keep_last] if self.keep_last else history:
+            path.unlink(missing_ok=True)
+
+    # -- finding and loading -------------------------------------------------------------------
+
+    def history(self) -> list[Path]:
+        """The step files, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(p for p in self.folder.iterdir() if STEP_FILE.match(p.name))
+
+    def latest_path(self) -> Path | None:
+        history = self.history()
+        return history[-1] if history else None
+
+    def load_latest_valid(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint that loads; unreadable ones are named and skipped.
+
+        Returns None when the folder holds no checkpoint at all; raises when it holds some but
+        none of them loads.
+        """
+        candidates = list(reversed(self.history()))
+        if (self.folder / "last.pt").exists():
+            candidates.insert(0, self.folder / "last.pt")
+        if not candidates:
+            return None
+        for path in candidates:
+            try:
+                return path, load(path)
+            except CheckpointError as error:
+                warnings.warn(f"skipping unreadable checkpoint: {error}", stacklevel=2)
+        raise CheckpointError(f"no checkpoint in {self.folder} can be read; start over with "
+                              f"checkpoint.resume=never (in a new folder)")

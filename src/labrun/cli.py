@@ -1,0 +1,65 @@
+"""`labrun <command>`: one sub-command per module.
+
+Each command module exposes `configure(parser)` to declare its arguments and `run(args) -> int`.
+Modules are imported only when their command runs, so `labrun --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from labrun.errors import LabrunError
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("labrun.data.convert", "convert an image folder to one HDF5 file"),
+    "resume": ("labrun.rerun", "resume an interrupted run in its own folder"),
+    "rerun": ("labrun.rerun", "reproduce a run from scratch in a new folder"),
+    "status": ("labrun.status", "show the state of a sweep's jobs"),
+    "compare": ("labrun.compare", "compare runs: table, csv, markdown, plot"),
+    "configs": ("labrun.configs", "check or diff configs for review"),
+    "export": ("labrun.export", "export a run's model to TorchScript or ONNX"),
+    "serve": ("labrun.serve", "serve an exported model over HTTP"),
+    "predict": ("labrun.predict", "predict images offline with an exported model"),
+    "doctor": ("labrun.doctor", "check this machine's GPU/CUDA/NCCL/SLURM set-up"),
+    "bench": ("labrun.bench", "run the benchmarks"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="labrun", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        build_parser().parse_args(argv)  # prints usage or the error, exits 2
+        return 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"labrun {name}", description=COMMANDS[name][1])
+    module.configure(parser, name) if _takes_name(module.configure) else module.configure(parser)
+    args = parser.parse_args(rest)
+    args.command = name
+    try:
+        return int(module.run(args) or 0)
+    except LabrunError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _takes_name(function) -> bool:
+    return function.__code__.co_argcount >= 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

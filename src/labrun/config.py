@@ -1,0 +1,337 @@
+"""Structured-config schemas, registered in Hydra's ConfigStore under `schema/`.
+
+Each YAML file in conf/ starts from one of these schemas (its defaults list names
+`/schema/<group>/<name>@_here_`), so Hydra checks key names and types while it composes, and
+`python train.py optimizer.lr=abc` fails before anything runs. `validate()` then checks what
+types cannot express: ranges, choices, paths and how keys fit together.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from labrun.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------
+# Top level
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 8
+    batch_size: int = 64  # effective, global: micro_batch_size x accumulation x world size
+    micro_batch_size: Any = "auto"  # per process, or "auto": batch_size / world size, halved on OOM
+    accelerator: str = "auto"  # auto (cuda, then mps, then cpu) | cuda | mps | cpu
+    devices: int = 1  # processes per node, one per GPU
+    num_nodes: int = 1
+    deterministic: bool = False  # bit-reproducible on the CPU
+    grad_clip: float = 0.0  # max gradient norm; 0 turns clipping off
+    channels_last: bool = False
+    compile: bool = False  # torch.compile the model
+    log_every_n_steps: int = 10
+    limit_train_batches: int | None = None  # optimizer steps per epoch, for smoke runs
+    limit_val_batches: int | None = None
+    nan_policy: str = "stop"  # stop | skip: what a non-finite loss does
+    progress: str = "auto"  # auto (rich bar on a TTY, log lines otherwise) | bar | log | none
+
+
+@dataclass
+class CheckpointConfig:
+    monitor: str = "val/acc"
+    mode: str = "max"  # max | min
+    keep_last: int = 3  # step-NNNNNNNN.pt history files kept beside last.pt and best.pt
+    every_n_steps: int = 0  # 0: only at the end of every epoch
+    resume: str = "auto"  # auto | never | PATH to a checkpoint
+
+
+@dataclass
+class PathsConfig:
+    data_dir: str = "data"
+    raw_dir: str = "data/raw"
+    processed_dir: str = "data/processed"
+    output_root: str = "outputs"
+    multirun_root: str = "multirun"
+    scratch_dir: str = "/tmp/labrun-scratch"
+    run_dir: str = "."
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    dataset: Any = MISSING
+    model: Any = MISSING
+    optimizer: Any = MISSING
+    schedule: Any = MISSING
+    precision: Any = MISSING
+    cluster: Any = MISSING
+    logger: Any = MISSING
+    paths: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# dataset/
+
+
+@dataclass
+class AugmentConfig:
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop
+    crop_ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    hflip: bool = True
+    val_resize_ratio: float = 0.875  # val: resize to image_size / ratio, then center-crop
+
+
+@dataclass
+class DatasetConfig:
+    name: str = MISSING
+    image_size: int = 224
+    num_workers: int = 2
+    val_fraction: float = 0.1  # held out of train when the data has no val split
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class DigitsConfig(DatasetConfig):
+    pass
+
+
+@dataclass
+class SyntheticConfig(DatasetConfig):
+    num_classes: int = 10
+    num_train: int = 1024
+    num_val: int = 256
+    num_test: int = 0  # > 0 adds a test split
+
+
+@dataclass
+class ImageFolderConfig(DatasetConfig):
+    root: str = MISSING
+    decoder: str = "turbojpeg"  # turbojpeg | pil | torchvision
+
+
+@dataclass
+class HDF5Config(DatasetConfig):
+    path: str = MISSING
+    decoder: str = "turbojpeg"
+
+
+@dataclass
+class CIFAR10Config(DatasetConfig):
+    root: str = MISSING
+    download: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# model/, optimizer/, schedule/: `_target_` names the class or function that runs.
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING
+    _partial_: bool = True
+    init_from: str | None = None  # a checkpoint whose weights start this run (fine-tuning)
+
+
+@dataclass
+class SimpleCNNConfig(ModelConfig):
+    width: int = 32
+    dropout: float = 0.0
+
+
+@dataclass
+class TorchvisionModelConfig(ModelConfig):
+    name: str = MISSING
+
+
+@dataclass
+class OptimizerConfig:
+    _target_: str = MISSING
+    _partial_: bool = True
+    lr: float = MISSING
+    weight_decay: float = 0.0
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    momentum: float = 0.9
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+@dataclass
+class ScheduleConfig:
+    _target_: str = MISSING
+    _partial_: bool = True
+    warmup_epochs: float = 0.0
+
+
+@dataclass
+class CosineScheduleConfig(ScheduleConfig):
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class StepScheduleConfig(ScheduleConfig):
+    step_epochs: int = 30
+    gamma: float = 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# precision/, cluster/, logger/
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | bf16 | fp16
+    init_scale: float = 65536.0  # fp16's first loss scale
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    gpu_ids: list[int] | None = None
+    max_parallel: int | None = None
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "csv"  # wandb | tensorboard | csv | none
+    project: str = "labrun"
+    entity: str | None = None
+    mode: str = "auto"  # wandb: auto (online when logged in) | online | offline | disabled
+    group: str | None = None  # default: the sweep folder's name
+    tags: list[str] = field(default_factory=list)
+
+
+SCHEMAS: dict[str, Any] = {
+    "train": TrainConfig,
+    "paths": PathsConfig,
+    "dataset/digits": DigitsConfig,
+    "dataset/synthetic": SyntheticConfig,
+    "dataset/imagefolder": ImageFolderConfig,
+    "dataset/hdf5": HDF5Config,
+    "dataset/cifar10": CIFAR10Config,
+    "model/simple_cnn": SimpleCNNConfig,
+    "model/torchvision": TorchvisionModelConfig,
+    "optimizer/sgd": SGDConfig,
+    "optimizer/adamw": AdamWConfig,
+    "schedule/cosine": CosineScheduleConfig,
+    "schedule/step": StepScheduleConfig,
+    "schedule/constant": ScheduleConfig,
+    "precision": PrecisionConfig,
+    "cluster": ClusterConfig,
+    "logger": LoggerConfig,
+}
+
+
+def register() -> None:
+    """Put the schemas into Hydra's ConfigStore (idempotent) and add labrun's resolvers."""
+    store = ConfigStore.instance()
+    for path, node in SCHEMAS.items():
+        group, _, name = path.rpartition("/")
+        store.store(group=f"schema/{group}".rstrip("/"), name=name or path, node=node)
+    if not OmegaConf.has_resolver("labrun.token"):
+        OmegaConf.register_new_resolver("labrun.token", run_token)
+
+
+def run_token() -> str:
+    """A short random token that keeps run folders started in the same second apart.
+
+    Kept in the environment so that every process of one launch (sweep jobs, DDP ranks)
+    resolves the same folder name.
+    """
+    return os.environ.setdefault("LABRUN_RUN_TOKEN", secrets.token_hex(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of what types cannot say
+
+
+CHOICES = {
+    "trainer.accelerator": ("auto", "cpu", "cuda", "mps"),
+    "trainer.nan_policy": ("stop", "skip"),
+    "trainer.progress": ("auto", "bar", "log", "none"),
+    "checkpoint.mode": ("max", "min"),
+    "precision.name": ("fp32", "bf16", "fp16"),
+    "logger.name": ("wandb", "tensorboard", "csv", "none"),
+    "logger.mode": ("auto", "online", "offline", "disabled"),
+}
+POSITIVE = ("trainer.max_epochs", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
+            "dataset.image_size", "optimizer.lr", "trainer.log_every_n_steps")
+NON_NEGATIVE = ("optimizer.weight_decay", "trainer.grad_clip", "checkpoint.keep_last",
+                "checkpoint.every_n_steps", "dataset.num_workers", "schedule.warmup_epochs")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError naming the first key that cannot work, and how to fix it."""
+    for key, choices in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value not in choices:
+            raise ConfigError(f"{key}={value} is not one of: {', '.join(choices)}")
+    for key in POSITIVE:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not value > 0:
+            raise ConfigError(f"{key}={value} must be greater than 0")
+    for key in NON_NEGATIVE:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"{key}={value} must be 0 or more")
+    fraction = cfg.dataset.val_fraction
+    if not 0 <= fraction < 1:
+        raise ConfigError(f"dataset.val_fraction={fraction} must be in [0, 1)")
+    world_size = cfg.trainer.devices * cfg.trainer.num_nodes
+    micro = cfg.trainer.micro_batch_size
+    if micro != "auto":
+        if not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0:
+            raise ConfigError(
+                f"trainer.micro_batch_size={micro} must be a positive integer or auto")
+        if cfg.trainer.batch_size % (micro * world_size):
+            raise ConfigError(
+                f"trainer.batch_size={cfg.trainer.batch_size} is not divisible by "
+                f"trainer.micro_batch_size x world size = {micro} x {world_size}; "
+                f"pick a batch_size that is a multiple of {micro * world_size}")
+    elif cfg.trainer.batch_size % world_size:
+        raise ConfigError(
+            f"trainer.batch_size={cfg.trainer.batch_size} is not divisible by the world size "
+            f"{world_size} (trainer.devices x trainer.num_nodes)")
+    for key in ("dataset.root", "dataset.path", "model.init_from"):
+        _check_exists(cfg, key)
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not Path(resume).is_file():
+        raise ConfigError(
+            f"checkpoint.resume={resume}: no such file; give a checkpoint path, auto or never")
+
+
+def _check_exists(cfg: DictConfig, key: str) -> None:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent)
+    if not isinstance(node, DictConfig) or leaf not in node.keys():
+        return
+    if OmegaConf.is_missing(node, leaf):
+        raise ConfigError(f"{key} is required with {parent}={_option_name(cfg, parent)}; "
+                          f"add {key}=...")
+    value = node[leaf]
+    if value is None or (key == "dataset.root" and node.get("download")):
+        return  # unset, or downloaded on first use
+    if not Path(value).exists():
+        raise ConfigError(f"{key}={value}: no such file or folder; check the path")
+
+
+def _option_name(cfg: DictConfig, group: str) -> str:
+    node = OmegaConf.select(cfg, group)
+    return node.get("name", "...") if isinstance(node, DictConfig) else "..."

@@ -1,0 +1,107 @@
+"""Process-group set-up and rank helpers.
+
+One process per GPU. The rank and world size come from torchrun's variables (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT) or from SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the
+first host of SLURM_JOB_NODELIST as master). A single process needs no process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from labrun.errors import ConfigError
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator == "auto":
+        if torch.cuda.is_available():
+            accelerator = "cuda"
+        elif torch.backends.mps.is_available():
+            accelerator = "mps"
+        else:
+            accelerator = "cpu"
+    if accelerator == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.accelerator=cuda but no CUDA GPU is visible; "
+                              "use trainer.accelerator=auto or cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if accelerator == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("trainer.accelerator=mps but MPS is not available; use auto or cpu")
+    return torch.device(accelerator)
+
+
+def _from_environment() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) of this process, set by torchrun or SLURM."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"])
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"])
+    return 0, 0, 1
+
+
+def _master_address() -> str:
+    if "MASTER_ADDR" in os.environ:
+        return os.environ["MASTER_ADDR"]
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if nodelist:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist],
+                             capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    return "127.0.0.1"
+
+
+def _master_port() -> str:
+    """Derived from the job id, so two jobs on one node never pick the same port."""
+    if "MASTER_PORT" in os.environ:
+        return os.environ["MASTER_PORT"]
+    job_id = os.environ.get("SLURM_JOB_ID", "0")
+    return str(20000 + int(job_id) % 20000)
+
+
+def setup(trainer: DictConfig, backend: str = "auto", timeout_s: int = 1800) -> Distributed:
+    rank, local_rank, world_size = _from_environment()
+    device = pick_device(trainer.accelerator, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", _master_address())
+        os.environ.setdefault("MASTER_PORT", _master_port())
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return Distributed(rank, local_rank, world_size, device)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

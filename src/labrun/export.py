@@ -1,0 +1,370 @@
+"""`labrun export RUN_DIR|CHECKPOINT --format onnx|torchscript`: a deployable model + metadata.
+
+    checkpoint (weights_only) + its config -> models.build -> trace/export with a dynamic batch
+        -> parity check: the exported file, run by its own runtime (onnxruntime or the loaded
+           TorchScript module), against eager PyTorch on real validation images
+        -> MODEL and MODEL.json (classes, input size, mean/std, resize ratio, provenance)
+
+The exported model takes normalised float NCHW input, like the eager model; labrun.inference
+does the preprocessing from the metadata, for `labrun serve` and `labrun predict`.
+
+ONNX: the dynamo exporter (torch.export) is tried first, as it is the one PyTorch maintains
+(the TorchScript-based exporter is deprecated); the legacy exporter is the fallback when the
+dynamo one fails or misses the parity check. The metadata records which one made the file.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import platform
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+import labrun
+from labrun import inference, models
+from labrun.checkpoint import load as load_checkpoint
+from labrun.data.transforms import ValTransform, normalize_on_device
+from labrun.errors import LabrunError
+from labrun.inference import first_line
+
+FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}
+DEFAULT_OPSET = 18  # the dynamo exporter's minimum; run by onnxruntime >= 1.14 and TensorRT 8.6+
+PARITY_IMAGES = 32
+# Allowed max |exported - eager| logit difference, relative to the largest eager logit (at
+# least 1): fp32 kernels differ in summation order only; fp16 rounds every activation.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
+# Model configs name the class to build with `_target_`; a checkpoint could name anything, so
+# only these are built unless LABRUN_TRUSTED_MODULES (comma-separated prefixes) adds more.
+TRUSTED_TARGETS = ("labrun.models.", "torchvision.models.", "torch.nn.", "timm.")
+
+
+def configure(parser) -> None:
+    parser.add_argument("source", metavar="RUN_DIR|CHECKPOINT",
+                        help="a run folder (uses checkpoints/best.pt) or a checkpoint file")
+    parser.add_argument("--format", choices=sorted(FORMATS), default="onnx", dest="fmt",
+                        help="onnx (default) or torchscript")
+    parser.add_argument("--fp16", action="store_true",
+                        help="export a half-precision model (needs a CUDA GPU)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output file (default: RUN_DIR/export/<which><suffix>)")
+    parser.add_argument("--which", choices=("best", "last"), default="best",
+                        help="checkpoint of a run folder to export (default best)")
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET,
+                        help=f"ONNX opset (default {DEFAULT_OPSET})")
+    parser.add_argument("--exporter", choices=("auto", "dynamo", "legacy"), default="auto",
+                        help="ONNX exporter: auto tries dynamo, then legacy (default auto)")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the parity check against eager PyTorch")
+
+
+def run(args) -> int:
+    if args.fp16 and not torch.cuda.is_available():
+        raise LabrunError("--fp16 exports on a CUDA GPU and none is visible here; "
+                          "export fp32 (drop --fp16) or run this on a GPU node")
+    result = export(Path(args.source), out=args.out, fmt=args.fmt, which=args.which,
+                    fp16=args.fp16, opset=args.opset, exporter=args.exporter,
+                    check_data=None if args.no_check else "val", verbose=True)
+    print(f"metadata: {inference.metadata_path(result.path)}")
+    return 0
+
+
+@dataclass
+class Exported:
+    path: Path
+    metadata: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole export, also used by `labrun serve RUN_DIR` and the serving benchmark
+
+
+def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: str = "best",
+           fp16: bool = False, opset: int = DEFAULT_OPSET, exporter: str = "auto",
+           check_data: str | None = "val", device: str | None = None,
+           verbose: bool = False) -> Exported:
+    """Export a checkpoint; `check_data` is "val", "random" or None (no parity check).
+
+    `device` defaults to the CPU for fp32 and CUDA for fp16 (tests pass "cpu" to exercise the
+    fp16 path where no GPU exists).
+    """
+    checkpoint, run_dir = find_checkpoint(source, which)
+    state = load_checkpoint(checkpoint)
+    for key in ("config", "class_names"):
+        if key not in state:
+            raise LabrunError(f"{checkpoint}: the checkpoint has no '{key}' entry; "
+                              f"export needs a checkpoint written by labrun's trainer")
+    cfg, class_names = state["config"], list(state["class_names"])
+    model = build_model(cfg, class_names, state["model"], checkpoint)
+    out = out or default_output(checkpoint, run_dir, fmt, fp16)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if device is None:
+        device = "cuda" if fp16 else "cpu"
+    dtype = torch.float16 if fp16 else torch.float32
+
+    dataset = cfg.get("dataset", {})
+    size = int(dataset.get("image_size", 224))
+    mean, std = dataset.get("mean", [0.5] * 3), dataset.get("std", [0.5] * 3)
+    resize_ratio = float(dataset.get("augment", {}).get("val_resize_ratio", 0.875))
+    images, images_from = None, None
+    if check_data is not None:
+        images, images_from = parity_images(dataset, size, resize_ratio, check_data)
+
+    # The exported copy is fp16 with --fp16; the eager reference stays fp32, the model trained.
+    reference = model.to(device)
+    to_export = copy.deepcopy(model).to(device=device, dtype=dtype)
+    example = torch.randn(2, 3, size, size, device=device, dtype=dtype)
+    tmp = out.with_name(f".{out.name}.tmp")
+    failures = []
+    for name in exporters(fmt, exporter):
+        try:
+            write_model(to_export, example, tmp, fmt, name, opset)
+            check = None
+            if images is not None:
+                check = parity(tmp, fmt, reference, images, mean, std, dtype, device)
+                check["images_from"] = images_from
+                if verbose:
+                    print_parity(check, name if fmt == "onnx" else "torchscript")
+                if not check["passed"]:
+                    raise LabrunError(f"parity check failed: max abs diff "
+                                      f"{check['max_abs_diff']:.2e} > {check['tolerance']:.2e} "
+                                      f"or top-1 differs on {check['top1_mismatches']} image(s)")
+            break
+        except Exception as error:  # noqa: BLE001 - any exporter failure moves to the next one
+            tmp.unlink(missing_ok=True)
+            failures.append(f"{name}: {first_line(error)}")
+            if verbose and len(failures) < len(exporters(fmt, exporter)):
+                print(f"{name} exporter failed ({failures[-1]}); trying the next one")
+    else:
+        raise LabrunError(f"could not export {checkpoint} to {fmt}: {'; '.join(failures)}")
+    os.replace(tmp, out)
+
+    metadata = {
+        "format": fmt,
+        "model_file": out.name,
+        "dtype": "float16" if fp16 else "float32",
+        "input": {"name": "input", "shape": ["batch", 3, size, size], "layout": "NCHW",
+                  "values": "(uint8 / 255 - mean) / std"},
+        "output": {"name": "logits", "shape": ["batch", len(class_names)]},
+        "class_names": class_names,
+        "num_classes": len(class_names),
+        "image_size": size,
+        "val_resize_ratio": resize_ratio,
+        "mean": list(mean),
+        "std": list(std),
+        "exporter": name if fmt == "onnx" else "torch.jit.trace",
+        "opset": opset if fmt == "onnx" else None,
+        "parity": check,
+        "source": {
+            "run_dir": str(run_dir.resolve()) if run_dir else None,
+            "checkpoint": str(checkpoint.resolve()),
+            "checkpoint_sha256": sha256(checkpoint),
+            "model": cfg.get("model", {}).get("_target_"),
+            "epoch": state.get("epoch"),
+            "step": state.get("step"),
+            "monitor": cfg.get("checkpoint", {}).get("monitor"),
+            "best": state.get("best"),
+        },
+        "versions": {"labrun": labrun.__version__, "torch": torch.__version__,
+                     "python": platform.python_version(), **runtime_versions(fmt)},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    write_json_atomic(inference.metadata_path(out), metadata)
+    if verbose:
+        source = metadata["source"]
+        size_mb = out.stat().st_size / 2**20
+        print(f"exported {checkpoint} (epoch {source['epoch']}, step {source['step']}, "
+              f"{source['monitor']} {_fmt(source['best'])}) -> {out} "
+              f"({fmt}, {metadata['dtype']}, exporter {metadata['exporter']}, {size_mb:.1f} MB)")
+    return Exported(out, metadata)
+
+
+def find_checkpoint(source: Path, which: str) -> tuple[Path, Path | None]:
+    """(checkpoint file, run folder or None) for a run folder or a checkpoint path."""
+    if source.is_dir():
+        checkpoint = source / "checkpoints" / f"{which}.pt"
+        if not checkpoint.is_file():
+            raise LabrunError(f"{source}: no checkpoints/{which}.pt; is it a run folder "
+                              f"of a run that finished at least one epoch?")
+        return checkpoint, source
+    if not source.is_file():
+        raise LabrunError(f"{source}: no such run folder or checkpoint file")
+    run_dir = source.parent.parent if source.parent.name == "checkpoints" else None
+    return source, run_dir
+
+
+def default_output(checkpoint: Path, run_dir: Path | None, fmt: str, fp16: bool) -> Path:
+    folder = run_dir / "export" if run_dir else checkpoint.parent
+    return folder / f"{checkpoint.stem}{'-fp16' if fp16 else ''}{FORMATS[fmt]}"
+
+
+def build_model(cfg: dict[str, Any], class_names: list[str], weights: dict[str, torch.Tensor],
+                checkpoint: Path) -> torch.nn.Module:
+    if "model" not in cfg:
+        raise LabrunError(f"{checkpoint}: its config has no 'model' section; export needs a "
+                          f"checkpoint written by labrun's trainer")
+    check_targets(cfg["model"], "model")
+    model = models.build(OmegaConf.create(cfg["model"]), len(class_names))
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as error:
+        raise LabrunError(f"{checkpoint}: the weights do not fit the model its config builds "
+                          f"({first_line(error)})") from None
+    return model.eval()
+
+
+def check_targets(node: Any, key: str) -> None:
+    """Refuse to build anything outside the trusted modules: hydra would import and call it."""
+    trusted = TRUSTED_TARGETS + tuple(
+        p.strip() for p in os.environ.get("LABRUN_TRUSTED_MODULES", "").split(",") if p.strip())
+    if isinstance(node, dict):
+        target = node.get("_target_")
+        if target is not None and not str(target).startswith(trusted):
+            package = str(target).split(".")[0]
+            raise LabrunError(
+                f"{key}._target_={target} is outside the trusted modules ({', '.join(trusted)}); "
+                f"if you trust this checkpoint, set LABRUN_TRUSTED_MODULES={package}")
+        for child_key, child in node.items():
+            check_targets(child, f"{key}.{child_key}")
+    elif isinstance(node, list):
+        for i, child in enumerate(node):
+            check_targets(child, f"{key}[{i}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing the file
+
+
+def exporters(fmt: str, choice: str) -> list[str]:
+    if fmt == "torchscript":
+        return ["trace"]
+    return ["dynamo", "legacy"] if choice == "auto" else [choice]
+
+
+def write_model(model: torch.nn.Module, example: torch.Tensor, path: Path, fmt: str,
+                exporter: str, opset: int) -> None:
+    with torch.no_grad(), warnings.catch_warnings():
+        # Both torch.jit and the legacy ONNX exporter warn that they are deprecated; the
+        # metadata records which exporter made the file, which is what a reader needs.
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if fmt == "torchscript":
+            torch.jit.trace(model, example, check_trace=False).save(str(path))
+        elif exporter == "dynamo":
+            torch.onnx.export(model, (example,), str(path), dynamo=True, verbose=False,
+                              input_names=["input"], output_names=["logits"],
+                              dynamic_shapes=({0: torch.export.Dim("batch")},),
+                              opset_version=opset, external_data=False)
+        else:
+            torch.onnx.export(model, (example,), str(path), dynamo=False,
+                              input_names=["input"], output_names=["logits"],
+                              dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                              opset_version=opset)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity check
+
+
+def parity_images(dataset: dict[str, Any], size: int, resize_ratio: float, data: str
+                  ) -> tuple[torch.Tensor, str]:
+    """A uint8 NCHW batch of validation images, or random images when those cannot be read."""
+    reason = "random input requested"
+    if data == "val":
+        try:
+            return validation_images(dataset, size, resize_ratio)
+        except Exception as error:  # noqa: BLE001 - any data problem falls back to random input
+            reason = f"validation images unavailable: {first_line(error)}"
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (PARITY_IMAGES, 3, size, size), dtype=torch.uint8,
+                           generator=generator)
+    return images, f"{PARITY_IMAGES} random images ({reason})"
+
+
+def validation_images(dataset: dict[str, Any], size: int, resize_ratio: float
+                      ) -> tuple[torch.Tensor, str]:
+    from labrun import data
+
+    cfg = OmegaConf.create(dataset)
+    if "download" in cfg:
+        cfg.download = False  # never reach for the network in an export
+    source = data.build(cfg).splits["val"]
+    transform = ValTransform(size, resize_ratio)
+    # Spread over the split rather than its first images, which may all share one class.
+    indices = np.unique(np.linspace(0, len(source) - 1, PARITY_IMAGES).round().astype(int))
+    images = torch.stack([transform(source.load(int(i), size)) for i in indices])
+    return images, f"{len(indices)} validation images of {source.name}"
+
+
+def parity(path: Path, fmt: str, reference: torch.nn.Module, images: torch.Tensor,
+           mean: list[float], std: list[float], dtype: torch.dtype, device: str
+           ) -> dict[str, Any]:
+    """The exported file in its own runtime vs the eager fp32 model, on the whole batch and on
+    a batch of one (which proves the batch axis is really dynamic)."""
+    runtime = (inference.onnx_runtime if fmt == "onnx" else inference.torchscript_runtime)(path)
+    mean_t = torch.tensor(mean, device=device).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, device=device).view(1, -1, 1, 1)
+    x = normalize_on_device(images.to(device), mean_t, std_t, torch.float32)
+    with torch.inference_mode():
+        eager = reference(x).float().cpu()
+    x_exported = x.to(dtype).cpu().numpy()
+    exported = torch.from_numpy(runtime(x_exported))
+    single = torch.from_numpy(runtime(x_exported[:1]))
+    diff = max((exported - eager).abs().max().item(), (single - eager[:1]).abs().max().item())
+    tolerance = TOLERANCE[str(dtype).removeprefix("torch.")] * max(1.0, eager.abs().max().item())
+    # A top-1 flip only counts where the eager top-2 margin exceeds what the tolerance allows.
+    top2 = eager.topk(min(2, eager.shape[1]), dim=1).values
+    margin = top2[:, 0] - top2[:, -1]
+    differs = exported.argmax(1) != eager.argmax(1)
+    mismatches = int((differs & (margin > 2 * tolerance)).sum())
+    return {"images": len(images), "batch_sizes": [len(images), 1],
+            "max_abs_diff": diff, "tolerance": tolerance,
+            "top1_agree": int((~differs).sum()), "top1_mismatches": mismatches,
+            "passed": diff <= tolerance and mismatches == 0}
+
+
+def print_parity(check: dict[str, Any], runtime_name: str) -> None:
+    verdict = "ok" if check["passed"] else "FAILED"
+    print(f"parity ({runtime_name}): {check['images_from']}, batch sizes "
+          f"{check['batch_sizes'][0]} and 1: max abs diff {check['max_abs_diff']:.2e} "
+          f"(tolerance {check['tolerance']:.2e}), top-1 agrees on "
+          f"{check['top1_agree']}/{check['images']} -> {verdict}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def runtime_versions(fmt: str) -> dict[str, str]:
+    if fmt != "onnx":
+        return {}
+    import onnx
+    import onnxruntime
+    return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)

@@ -1,0 +1,262 @@
+"""Load an exported model, preprocess images exactly as validation does, and predict.
+
+    predictor = load(MODEL)       MODEL: model.onnx | model.torchscript.pt (each with its
+                                  metadata JSON beside it), a run folder or a checkpoint
+    predictor.predict([image_uint8_HWC, ...], k=5) -> [[{"class", "index", "prob"}, ...], ...]
+
+`labrun serve`, `labrun predict`, the parity check of `labrun export` and the serving benchmark
+all go through this module, so a served answer and an offline answer cannot drift apart.
+
+The exported model takes normalised float NCHW input, as the eager model does; the
+preprocessing (decode, ValTransform, normalise) lives here and reads its settings (size,
+resize ratio, mean, std) from the metadata JSON that `labrun export` writes beside the model.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from labrun.data.transforms import ValTransform, normalize_on_device
+from labrun.errors import LabrunError
+
+# An upload may be a small file that decodes into a huge image (a "decompression bomb");
+# 50 megapixels covers any camera photo and bounds the memory one request can take (150 MB).
+MAX_IMAGE_PIXELS = 50_000_000
+
+
+class ImageError(LabrunError):
+    """Bytes that are not a usable image; the message says why, for a 4xx answer or a skip line."""
+
+
+def metadata_path(model_path: str | Path) -> Path:
+    """The metadata JSON written beside an exported model: model.onnx -> model.onnx.json.
+
+    The full file name is kept so that best.onnx and best.torchscript.pt can share a folder.
+    """
+    model_path = Path(model_path)
+    return model_path.with_name(model_path.name + ".json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    """Encoded image bytes (JPEG, PNG, ...) -> uint8 HxWx3 RGB; ImageError for anything else.
+
+    Pillow (built on libjpeg-turbo) is used because it refuses truncated files instead of
+    returning a half-grey image, and reads the size from the header before decoding, so an
+    oversized image is refused before it takes any memory. EXIF orientation is not applied, as
+    in the training data pipeline.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise ImageError("empty file")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ImageError(f"image is {width}x{height}, more than "
+                                 f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels")
+            image.load()  # decodes now: a truncated or corrupt file raises here
+            return np.asarray(image.convert("RGB"))
+    except UnidentifiedImageError:
+        raise ImageError("not an image (unknown or unsupported format)") from None
+    except Image.DecompressionBombError as error:
+        raise ImageError(f"image too large: {error}") from None
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ImageError(f"corrupt or truncated image ({str(error)[:120]})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtimes: each maps a normalised float NCHW array to logits (N, num_classes) as float32.
+
+
+def onnx_runtime(path: Path, threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    # Prefer the GPU when this onnxruntime build has it (onnxruntime-gpu); the CPU always works.
+    providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
+                 if p in ort.get_available_providers()]
+    try:
+        session = ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as error:  # onnxruntime raises its own untyped errors for bad files
+        raise LabrunError(f"{path}: onnxruntime cannot load it ({first_line(error)}); "
+                          f"re-export it with `labrun export RUN_DIR --format onnx`") from None
+    input_name = session.get_inputs()[0].name
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        return session.run(None, {input_name: batch})[0].astype(np.float32, copy=False)
+
+    return run
+
+
+def torchscript_runtime(path: Path, threads: int | None = None
+                        ) -> Callable[[np.ndarray], np.ndarray]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        with warnings.catch_warnings():
+            # torch marks TorchScript deprecated; it is still the format the issue asks for.
+            warnings.simplefilter("ignore", FutureWarning)
+            module = torch.jit.load(str(path), map_location=device).eval()
+    except Exception as error:
+        raise LabrunError(f"{path}: not a TorchScript model ({first_line(error)}); "
+                          f"re-export it with `labrun export RUN_DIR --format torchscript`"
+                          ) from None
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            logits = module(torch.from_numpy(batch).to(device))
+        return logits.float().cpu().numpy()
+
+    return run
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# The predictor
+
+
+class Predictor:
+    """An exported model with the preprocessing it was trained with."""
+
+    def __init__(self, model_path: str | Path, threads: int | None = None):
+        self.model_path = Path(model_path)
+        self.metadata = read_metadata(self.model_path)
+        meta = self.metadata
+        self.class_names: list[str] = list(meta["class_names"])
+        self.transform = ValTransform(int(meta["image_size"]), float(meta["val_resize_ratio"]))
+        self.mean = torch.tensor(meta["mean"], dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.tensor(meta["std"], dtype=torch.float32).view(1, -1, 1, 1)
+        self.dtype = torch.float16 if meta.get("dtype") == "float16" else torch.float32
+        make_runtime = onnx_runtime if meta["format"] == "onnx" else torchscript_runtime
+        self.runtime = make_runtime(self.model_path, threads)
+        # One real inference now: a model that cannot run fails at start-up, not per request.
+        size = self.transform.size
+        self.logits(torch.zeros(1, 3, size, size, dtype=torch.uint8))
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def preprocess(self, image: np.ndarray) -> torch.Tensor:
+        """uint8 HxWx3 -> uint8 3xSxS: the validation resize and centre crop."""
+        return self.transform(image)
+
+    def normalize(self, batch: torch.Tensor) -> np.ndarray:
+        """uint8 NCHW -> the model's input, normalised as the trainer does on its device."""
+        return normalize_on_device(batch, self.mean, self.std, self.dtype).numpy()
+
+    def logits(self, batch: torch.Tensor) -> np.ndarray:
+        return self.runtime(self.normalize(batch))
+
+    def predict(self, images: Sequence[np.ndarray], k: int = 5) -> list[list[dict[str, Any]]]:
+        """The k most likely classes of each image, most likely first."""
+        batch = torch.stack([self.preprocess(image) for image in images])
+        return self.top_k(self.logits(batch), k)
+
+    def top_k(self, logits: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
+        probs = torch.from_numpy(logits).double().softmax(dim=1)
+        values, indices = probs.topk(min(k, self.num_classes), dim=1)
+        return [[{"class": self.class_names[i], "index": i, "prob": round(p, 6)}
+                 for p, i in zip(row_p.tolist(), row_i.tolist(), strict=True)]
+                for row_p, row_i in zip(values, indices, strict=True)]
+
+
+def read_metadata(model_path: Path) -> dict[str, Any]:
+    if not model_path.is_file():
+        raise LabrunError(f"{model_path}: no such model file")
+    path = metadata_path(model_path)
+    if not path.is_file():
+        raise LabrunError(f"{model_path} has no metadata file {path.name} beside it; export "
+                          f"models with `labrun export`, which writes it")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise LabrunError(f"{path}: unreadable metadata ({first_line(error)}); "
+                          f"export the model again") from None
+    missing = [key for key in ("format", "class_names", "image_size", "val_resize_ratio",
+                               "mean", "std") if key not in meta]
+    if missing:
+        raise LabrunError(f"{path}: metadata lacks {', '.join(missing)}; export the model again")
+    if meta["format"] not in ("onnx", "torchscript"):
+        raise LabrunError(f"{path}: unknown format {meta['format']!r}; export the model again")
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# What a MODEL argument may be
+
+
+def is_torchscript_archive(path: Path) -> bool:
+    """TorchScript archives hold code/ and constants.pkl; a checkpoint holds only data.pkl."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("constants.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def needs_export(model: Path) -> bool:
+    """A run folder, or a checkpoint without exported metadata: export before predicting."""
+    if model.is_dir():
+        return True
+    return (model.suffix == ".pt" and not metadata_path(model).exists()
+            and not is_torchscript_archive(model))
+
+
+def export_for_inference(model: Path, folder: Path) -> Path:
+    """Export a run folder or checkpoint to ONNX in `folder` (checked on random input, fast)."""
+    from labrun import export
+
+    out = folder / "model.onnx"
+    export.export(model, out=out, fmt="onnx", check_data="random")
+    return out
+
+
+def load(model: str | Path, threads: int | None = None) -> tuple[Predictor, Path | None]:
+    """A Predictor for any MODEL argument, and the temp folder to delete afterwards (or None)."""
+    model = Path(model)
+    if not model.exists():
+        raise LabrunError(f"{model}: no such file or folder; give an exported .onnx or .pt "
+                          f"file, a run folder or a checkpoint")
+    if not needs_export(model):
+        return Predictor(model, threads), None
+    folder = Path(tempfile.mkdtemp(prefix="labrun-export-"))
+    try:
+        return Predictor(export_for_inference(model, folder), threads), folder
+    except BaseException:
+        remove_folder(folder)
+        raise
+
+
+def remove_folder(folder: Path | None) -> None:
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def default_threads(workers: int = 1) -> int:
+    """Intra-op threads per process so that N server workers share the cores, not fight."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))

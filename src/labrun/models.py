@@ -1,0 +1,59 @@
+"""Model registry: torchvision classification models by name, plus small built-ins.
+
+Model configs name a factory with `_target_` and `_partial_: true`; `build()` adds the number of
+classes, which always comes from the dataset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from labrun.errors import ConfigError
+
+
+class SimpleCNN(nn.Module):
+    """Three conv blocks and a linear head; no batch norm, so it trains on the CPU in seconds
+    and gradient accumulation is exactly equivalent to a bigger batch."""
+
+    def __init__(self, num_classes: int, width: int = 32, dropout: float = 0.0, in_chans: int = 3):
+        super().__init__()
+
+        def block(c_in: int, c_out: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(inplace=True),
+                                 nn.MaxPool2d(2))
+
+        self.features = nn.Sequential(block(in_chans, width), block(width, 2 * width),
+                                      block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1),
+                                      nn.Flatten())
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(4 * width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def torchvision_model(num_classes: int, name: str) -> nn.Module:
+    """Any torchvision classification model, randomly initialised (labs start from their own
+    checkpoints: `model.init_from=PATH`)."""
+    available = torchvision.models.list_models(module=torchvision.models)
+    if name not in available:
+        close = [m for m in available if m.startswith(name[:4])][:6]
+        raise ConfigError(f"model.name={name} is not a torchvision classification model; "
+                          f"try one of: {', '.join(close or available[:6])}")
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def build(model_cfg: DictConfig, num_classes: int) -> nn.Module:
+    """Instantiate the configured model for `num_classes` outputs."""
+    factory_cfg = OmegaConf.to_container(model_cfg, resolve=True)
+    factory_cfg.pop("init_from", None)  # a labrun key, not a constructor argument
+    return instantiate(factory_cfg)(num_classes=num_classes)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP and torch.compile wrappers, whose state dict has clean keys."""
+    model = getattr(model, "module", model)  # DistributedDataParallel
+    return getattr(model, "_orig_mod", model)  # torch.compile

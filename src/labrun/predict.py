@@ -1,0 +1,93 @@
+"""`labrun predict MODEL IMAGE_OR_DIR... [--k 5] [--csv FILE]`: what `labrun serve` would answer,
+offline, through the same labrun.inference code.
+
+Prints one line per image (`path  class (prob)  class (prob) ...`), or writes a CSV with one row
+per (image, rank). An unreadable image is named on stderr and skipped; the exit code is then 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from labrun import inference
+from labrun.errors import LabrunError
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
+
+
+def configure(parser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="exported .onnx / .pt file, a run folder or a checkpoint")
+    parser.add_argument("inputs", nargs="+", type=Path, metavar="IMAGE_OR_DIR",
+                        help="image files, or folders searched recursively for images")
+    parser.add_argument("--k", type=int, default=5, help="classes per image (default 5)")
+    parser.add_argument("--csv", type=Path, default=None, metavar="FILE",
+                        help="write path,rank,class,index,prob rows here instead of printing")
+    parser.add_argument("--batch-size", type=int, default=32)
+
+
+def run(args) -> int:
+    if args.k < 1 or args.batch_size < 1:
+        raise LabrunError("--k and --batch-size must be 1 or more")
+    paths = collect(args.inputs)
+    predictor, tmp = inference.load(args.model)
+    try:
+        rows, failed = [], 0
+        for path, top in predict_files(predictor, paths, args.k, args.batch_size):
+            if top is None:
+                failed += 1
+                continue
+            if args.csv is None:
+                print(f"{path}  " + "  ".join(f"{t['class']} ({t['prob']:.4f})" for t in top))
+            rows += [(str(path), rank, t["class"], t["index"], t["prob"])
+                     for rank, t in enumerate(top, start=1)]
+    finally:
+        inference.remove_folder(tmp)
+    if args.csv is not None:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "rank", "class", "index", "prob"])
+            writer.writerows(rows)
+        print(f"{len(paths) - failed} images predicted, {failed} skipped -> {args.csv}")
+    elif failed:
+        print(f"{failed} of {len(paths)} images skipped", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def collect(inputs: list[Path]) -> list[Path]:
+    """Files as given, folders searched recursively for image files, in a stable order."""
+    paths: list[Path] = []
+    for item in inputs:
+        if item.is_dir():
+            paths += sorted(p for p in item.rglob("*")
+                            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        elif item.is_file():
+            paths.append(item)
+        else:
+            raise LabrunError(f"{item}: no such file or folder")
+    if not paths:
+        raise LabrunError(f"no image files in {', '.join(map(str, inputs))} "
+                          f"(looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
+    return paths
+
+
+def predict_files(predictor: inference.Predictor, paths: list[Path], k: int, batch_size: int
+                  ) -> Iterator[tuple[Path, list[dict] | None]]:
+    """(path, top-k) per file, in order; top-k is None for a file that is not a usable image."""
+    for start in range(0, len(paths), batch_size):
+        chunk = paths[start:start + batch_size]
+        images = []
+        for path in chunk:
+            try:
+                images.append(inference.decode_image(path.read_bytes()))
+            except (inference.ImageError, OSError) as error:
+                print(f"skipped {path}: {error}", file=sys.stderr)
+                images.append(None)
+        good = [image for image in images if image is not None]
+        tops = iter(predictor.predict(good, k) if good else [])
+        for path, image in zip(chunk, images, strict=True):
+            yield path, None if image is None else next(tops)

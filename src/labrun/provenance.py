@@ -1,0 +1,107 @@
+"""provenance/: what a run needs to be reproduced on another machine.
+
+    git.json          commit, branch, dirty flag of the working tree
+    git.diff          the uncommitted changes (tracked files), when the tree is dirty
+    packages.txt      installed distributions, `name==version`, read with importlib.metadata
+    environment.json  python, torch, CUDA, cuDNN, NCCL, GPUs and driver, host, SLURM ids
+    command.json      the exact command line, working directory and Hydra overrides
+
+Secrets never land here: command-line values of keys that look like credentials are redacted,
+and no environment variable is recorded except SLURM's ids.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SECRET_NAME = re.compile(r"(key|token|secret|password|passwd|credential)", re.IGNORECASE)
+
+
+def redact(arg: str) -> str:
+    """`wandb.api_key=abc` -> `wandb.api_key=<redacted>`; other arguments unchanged."""
+    name, sep, _ = arg.partition("=")
+    return f"{name}=<redacted>" if sep and SECRET_NAME.search(name) else arg
+
+
+def _git(*args: str, cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_state(cwd: Path) -> dict[str, Any]:
+    commit = _git("rev-parse", "HEAD", cwd=cwd)
+    if commit is None:
+        return {"commit": None, "branch": None, "dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no", cwd=cwd) or ""
+    return {"commit": commit.strip(),
+            "branch": (_git("rev-parse", "--abbrev-ref", "HEAD", cwd=cwd) or "").strip(),
+            "dirty": bool(status.strip())}
+
+
+def installed_packages() -> list[str]:
+    names = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            names[name.lower()] = f"{name}=={dist.version}"
+    return sorted(names.values(), key=str.lower)
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    env = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "driver": _nvidia_driver() if cuda else None,
+        "slurm": {k: v for k, v in os.environ.items()
+                  if k in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+                           "SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_NTASKS")},
+    }
+    return env
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+
+
+def write(folder: Path, overrides: list[str], project_dir: Path) -> dict[str, Any]:
+    """Write provenance/ and return what W&B and the checkpoint also record."""
+    folder.mkdir(parents=True, exist_ok=True)
+    git = git_state(project_dir)
+    (folder / "git.json").write_text(json.dumps(git, indent=2) + "\n")
+    if git["dirty"]:
+        (folder / "git.diff").write_text(_git("diff", "HEAD", cwd=project_dir) or "")
+    (folder / "packages.txt").write_text("\n".join(installed_packages()) + "\n")
+    env = environment()
+    (folder / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
+    command = {"argv": [redact(a) for a in sys.argv], "executable": sys.executable,
+               "cwd": os.getcwd(), "overrides": [redact(o) for o in overrides]}
+    (folder / "command.json").write_text(json.dumps(command, indent=2) + "\n")
+    return {"git_commit": git["commit"], "git_dirty": git["dirty"], "host": env["hostname"],
+            "slurm_job_id": env["slurm"].get("SLURM_JOB_ID"), "torch": env["torch"],
+            "cuda": env["cuda"]}

@@ -1,0 +1,134 @@
+"""One training run, from a composed config to the objective a sweeper optimises.
+
+    cfg -> validate -> distributed.setup -> data.build -> models.build
+        -> TrainingSession(...).fit() -> best value of checkpoint.monitor
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from labrun import config, data, distributed, models, provenance, tracking
+from labrun.checkpoint import CheckpointManager
+from labrun.checkpoint import load as load_checkpoint
+from labrun.errors import ConfigError
+from labrun.session import TrainingSession
+
+PROJECT_DIR = Path(__file__).resolve().parents[2]
+
+# Keys that may differ between a run and its resumption without changing the result.
+RESUME_SAFE_KEYS = ("trainer.max_epochs", "trainer.progress", "trainer.log_every_n_steps",
+                    "trainer.limit_val_batches", "trainer.micro_batch_size", "dataset.num_workers",
+                    "checkpoint.resume", "checkpoint.every_n_steps", "checkpoint.keep_last",
+                    "logger", "paths", "cluster", "dataset.path", "dataset.root")
+
+
+def train(cfg: DictConfig) -> float | None:
+    config.validate(cfg)
+    dist = distributed.setup(cfg.trainer)
+    try:
+        return _train(cfg, dist)
+    finally:
+        distributed.cleanup()
+
+
+def _train(cfg: DictConfig, dist: distributed.Distributed) -> float | None:
+    seed_everything(cfg.seed, cfg.trainer.deterministic, dist.device)
+    run_dir = Path(cfg.paths.run_dir)
+    dataset = data.build(cfg.dataset)
+    model = models.build(cfg.model, dataset.num_classes)
+    if cfg.model.init_from:
+        load_weights(model, cfg.model.init_from)
+
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.monitor,
+                                    cfg.checkpoint.mode, cfg.checkpoint.keep_last)
+    resume = find_resume_state(cfg, checkpoints)
+    folder = tracking.RunFolder(run_dir, enabled=dist.is_main)
+    if resume is not None:
+        folder.truncate_after(resume["step"])
+    run_info: dict[str, Any] = {}
+    if dist.is_main:
+        run_info = provenance.write(run_dir / "provenance", hydra_overrides(), PROJECT_DIR)
+    tracker = tracking.build(cfg, run_dir, is_main=dist.is_main,
+                             resume_id=resume.get("wandb_run_id") if resume else None)
+    session = TrainingSession(cfg, dataset, model, folder=folder, tracker=tracker,
+                              checkpoints=checkpoints, dist=dist,
+                              run_info={"run_dir": str(run_dir)})
+    session.run_info.update(run_info)
+    return session.fit(resume)
+
+
+def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    elif device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed input sizes: pick the fastest kernels
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    """model.init_from: take every tensor whose name and shape match (a new head is skipped)."""
+    weights = load_checkpoint(path)["model"]
+    own = model.state_dict()
+    usable = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
+    if not usable:
+        raise ConfigError(f"model.init_from={path}: no weight matches this model's layers; "
+                          f"is it a checkpoint of the same architecture?")
+    model.load_state_dict(usable, strict=False)
+    skipped = sorted(set(own) - set(usable))
+    if skipped:
+        print(f"model.init_from: {len(usable)} tensors loaded, {len(skipped)} left as "
+              f"initialised ({', '.join(skipped[:4])}{'...' if len(skipped) > 4 else ''})")
+
+
+def find_resume_state(cfg: DictConfig, checkpoints: CheckpointManager) -> dict[str, Any] | None:
+    choice = cfg.checkpoint.resume
+    if choice == "never":
+        return None
+    if choice == "auto":
+        found = checkpoints.load_latest_valid()
+        if found is None:
+            return None
+        path, state = found
+    else:
+        path, state = Path(choice), load_checkpoint(choice)
+    changed = changed_keys(state.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
+    if changed:
+        raise ConfigError(
+            f"cannot resume from {path}: the config differs in {', '.join(changed[:8])}; "
+            f"use the same settings, or checkpoint.resume=never in a new folder")
+    print(f"resuming from {path} (step {state['step']})")
+    return state
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ, ignoring RESUME_SAFE_KEYS."""
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        dotted = f"{prefix}{key}"
+        if any(dotted == safe or dotted.startswith(safe + ".") for safe in RESUME_SAFE_KEYS):
+            continue
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += changed_keys(a, b, dotted + ".")
+        elif a != b:
+            changed.append(dotted)
+    return changed
+
+
+def hydra_overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []

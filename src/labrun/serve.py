@@ -1,0 +1,252 @@
+"""`labrun serve MODEL`: an exported model behind FastAPI on uvicorn.
+
+    POST /predict?k=5         multipart field `file`   -> {"top": [{"class", "index", "prob"}, ...]}
+    POST /predict/batch?k=5   multipart fields `files` -> {"results": [{"filename", "top"}, ...]}
+    GET  /health              {"status": "ok", ...}
+    GET  /metadata            the metadata JSON written by `labrun export`
+
+MODEL is an exported .onnx or .pt file (with its metadata JSON), a run folder or a checkpoint
+(exported to ONNX in a temp folder first). Preprocessing is labrun.inference's, the same as
+validation. A bad request (no file, not an image, truncated, too big, a path as filename) gets a
+4xx answer with {"error": "..."} and never takes the server down.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Annotated, Any
+
+from fastapi import FastAPI, File, HTTPException, Query, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from labrun import inference
+from labrun.errors import LabrunError
+
+MAX_BATCH_FILES = 64
+# Past this many open connections and tasks, uvicorn answers 503 instead of queueing more
+# uploads in memory.
+MAX_CONCURRENCY = 128
+TopK = Annotated[int, Query(ge=1, le=1000, description="how many classes to return")]
+ENV_MODEL, ENV_MAX_BYTES, ENV_THREADS = ("LABRUN_SERVE_MODEL", "LABRUN_SERVE_MAX_UPLOAD_BYTES",
+                                         "LABRUN_SERVE_THREADS")
+
+
+def configure(parser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="exported .onnx / .pt file, a run folder or a checkpoint")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1, help="server processes (default 1)")
+    parser.add_argument("--max-upload-mb", type=float, default=10.0,
+                        help="largest request body accepted, in MB (default 10)")
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))
+
+
+def run(args) -> int:
+    import uvicorn
+
+    if args.workers < 1:
+        raise LabrunError(f"--workers={args.workers} must be 1 or more")
+    if args.max_upload_mb <= 0:
+        raise LabrunError(f"--max-upload-mb={args.max_upload_mb} must be greater than 0")
+    check_port(args.host, args.port)
+    max_bytes = int(args.max_upload_mb * 2**20)
+    threads = inference.default_threads(args.workers)
+    predictor, tmp = inference.load(args.model, threads)
+    try:
+        meta = predictor.metadata
+        if not is_loopback(args.host):
+            print(f"warning: binding {args.host}: the server is reachable from other machines "
+                  f"and has no authentication")
+        print(f"serving {args.model} ({meta['format']}, {predictor.num_classes} classes, "
+              f"{meta['image_size']} px) on http://{args.host}:{args.port}  "
+              f"POST /predict, POST /predict/batch, GET /health, GET /metadata", flush=True)
+        common = dict(host=args.host, port=args.port, log_level=args.log_level,
+                      limit_concurrency=MAX_CONCURRENCY)
+        if args.workers == 1:
+            uvicorn.run(create_app(predictor, max_bytes), **common)
+        else:
+            # Each worker process builds its own app from the (exported) model file.
+            os.environ.update({ENV_MODEL: str(predictor.model_path), ENV_MAX_BYTES: str(max_bytes),
+                               ENV_THREADS: str(threads)})
+            del predictor
+            uvicorn.run("labrun.serve:app_from_env", factory=True, workers=args.workers,
+                        **common)
+    finally:
+        inference.remove_folder(tmp)
+    return 0
+
+
+def app_from_env():
+    """uvicorn's app factory for --workers N: each worker loads the model once."""
+    predictor = inference.Predictor(os.environ[ENV_MODEL], int(os.environ[ENV_THREADS]))
+    return create_app(predictor, int(os.environ[ENV_MAX_BYTES]))
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail in one line before loading the model when the address is taken or invalid."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as error:
+        raise LabrunError(f"cannot listen on {host}:{port} ({error.strerror or error}); "
+                          f"pick another --port or --host") from None
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+# ---------------------------------------------------------------------------------------------
+# The application
+
+
+def create_app(predictor: inference.Predictor, max_upload_bytes: int):
+    app = FastAPI(title="labrun serve", version=str(predictor.metadata.get("versions", {})
+                                                    .get("labrun", "")))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(error.detail)}, status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"error": describe_validation(error)}, status_code=422)
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "model": predictor.model_path.name,
+                "format": predictor.metadata["format"], "num_classes": predictor.num_classes}
+
+    @app.get("/metadata")
+    def metadata() -> dict[str, Any]:
+        return predictor.metadata
+
+    # Plain `def` endpoints: FastAPI runs them in its thread pool, where decoding and
+    # onnxruntime release the GIL, so concurrent requests use every core.
+    @app.post("/predict")
+    def predict(file: Annotated[UploadFile, File(description="the image")],
+                k: TopK = 5) -> dict[str, Any]:
+        image = read_upload(file, "file")
+        return {"top": predictor.predict([image], k)[0]}
+
+    @app.post("/predict/batch")
+    def predict_batch(files: Annotated[list[UploadFile], File(description="the images")],
+                      k: TopK = 5) -> dict[str, Any]:
+        if len(files) > MAX_BATCH_FILES:
+            raise HTTPException(413, f"{len(files)} files; send at most {MAX_BATCH_FILES} "
+                                     f"per batch")
+        images = [read_upload(f, f"files[{i}]") for i, f in enumerate(files)]
+        tops = predictor.predict(images, k)
+        return {"results": [{"filename": f.filename, "top": top}
+                            for f, top in zip(files, tops, strict=True)]}
+
+    return UploadLimit(app, max_upload_bytes)
+
+
+def read_upload(upload: UploadFile, field: str):
+    name = upload.filename or ""
+    if is_path_like(name):
+        raise HTTPException(400, f"{field}: the filename must be a plain file name, not a "
+                                 f"path: {name[:100]!r}")
+    try:
+        return inference.decode_image(upload.file.read())
+    except inference.ImageError as error:
+        raise HTTPException(400, f"{field} ({name[:100]}): {error}") from None
+
+
+def is_path_like(name: str) -> bool:
+    """Browsers send a bare file name; a separator, a '..' or a control character is a crafted
+    request (nothing here writes by that name, but it is refused rather than echoed back)."""
+    if any(ord(c) < 32 for c in name):
+        return True
+    plain = PurePosixPath(name).name == name and PureWindowsPath(name).name == name
+    return not plain or name in (".", "..")
+
+
+def describe_validation(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        location = [str(x) for x in item.get("loc", ()) if x not in ("body", "query")]
+        field = ".".join(location) or "request"
+        if item.get("type") == "missing" and field in ("file", "files"):
+            parts.append(f"no multipart field '{field}': send the image(s) as "
+                         f"multipart/form-data field '{field}'")
+        else:
+            parts.append(f"{field}: {item.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+class UploadLimit:
+    """The outermost ASGI layer: a body over the limit gets 413 without being read.
+
+    A declared Content-Length over the limit is refused before any byte is read; a body without
+    one (chunked) is counted as it streams and cut off at the limit. Whatever the app then
+    answers about the body it could not finish reading is replaced by the 413.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self.refuse(send)
+            return
+        received, over, answered = 0, False, False
+
+        async def limited_receive():
+            nonlocal received, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message) -> None:
+            nonlocal answered
+            if over:
+                if not answered and message["type"] == "http.response.start":
+                    answered = True
+                    await self.refuse(send)
+                return
+            answered = answered or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not over:
+                raise
+        if over and not answered:
+            await self.refuse(send)
+
+    async def refuse(self, send) -> None:
+        limit_mb = self.max_bytes / 2**20
+        body = json.dumps({"error": f"upload larger than the {limit_mb:g} MB limit "
+                                    f"(labrun serve --max-upload-mb)"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

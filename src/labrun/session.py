@@ -1,0 +1,433 @@
+"""TrainingSession: the training and evaluation loop, readable top to bottom.
+
+    fit()          epochs of train_epoch() + evaluate("val"), a checkpoint after each, then the
+                   best checkpoint on the test split when there is one
+    train_epoch()  optimizer steps until the epoch's end (or a stop signal)
+    train_step()   `accumulation` micro-batches forward/backward, then one optimizer step
+
+A step counts optimizer steps. Batches arrive as uint8 and are turned into normalised floats
+on the device. Everything needed to continue exactly (weights, optimizer, schedule, scaler,
+RNG states, position in the epoch's sample order) is in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import signal
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import labrun
+from labrun import checkpoint as ckpt
+from labrun.checkpoint import CheckpointManager
+from labrun.classification import eval_metrics, eval_sums, training_loss
+from labrun.data import Data
+from labrun.data.transforms import normalize_on_device
+from labrun.distributed import Distributed, all_reduce_sum
+from labrun.errors import LabrunError
+from labrun.models import unwrap
+from labrun.progress import ProgressReporter
+from labrun.tracking import RunFolder, Tracker
+
+
+class RunInterrupted(LabrunError):
+    """A stop signal arrived; a checkpoint was saved at the step boundary that followed."""
+
+
+class NonFiniteLoss(LabrunError):
+    """The loss became NaN or infinite and trainer.nan_policy=stop."""
+
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Window:
+    """What happened since the last logged point: for loss, images/s and data-wait fraction."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.wait = 0.0
+        self.steps = 0
+        self.samples = 0
+        self.loss = torch.zeros((), device=self.device)
+
+
+class TrainingSession:
+    def __init__(self, cfg: DictConfig, data: Data, model: nn.Module, *, folder: RunFolder,
+                 tracker: Tracker, checkpoints: CheckpointManager, dist: Distributed,
+                 run_info: dict[str, Any] | None = None):
+        trainer = cfg.trainer
+        self.cfg, self.data, self.folder, self.tracker = cfg, data, folder, tracker
+        self.checkpoints, self.dist, self.device = checkpoints, dist, dist.device
+        self.run_info = run_info or {}
+        self.progress = ProgressReporter(trainer.progress, enabled=dist.is_main)
+
+        # Batch sizes: batch_size is global; each process takes micro-batches and accumulates.
+        self.per_rank_batch = trainer.batch_size // dist.world_size
+        self.auto_micro = trainer.micro_batch_size == "auto"
+        self.micro = self.per_rank_batch if self.auto_micro else int(trainer.micro_batch_size)
+
+        # Model, possibly channels_last, DDP-wrapped and compiled. self.model stays the plain one.
+        self.model = model.to(self.device)
+        self.memory_format = torch.channels_last if trainer.channels_last else torch.contiguous_format
+        self.model = self.model.to(memory_format=self.memory_format)
+        self.net: nn.Module = self.model
+        if dist.enabled:
+            dist_cfg = cfg.get("distributed") or {}
+            self.net = DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=dist_cfg.get("bucket_cap_mb", 25))
+        if trainer.compile:
+            self.net = torch.compile(self.net)
+
+        self.optimizer = instantiate(cfg.optimizer)(self.model.parameters())
+        self.train_loader = self._train_loader()
+        self.steps_per_epoch = self.train_loader.sampler.steps_per_epoch()
+        if trainer.limit_train_batches:
+            self.steps_per_epoch = min(self.steps_per_epoch, trainer.limit_train_batches)
+        self.scheduler = instantiate(cfg.schedule)(
+            self.optimizer, steps_per_epoch=self.steps_per_epoch, max_epochs=trainer.max_epochs)
+
+        # Mixed precision: autocast for bf16 and fp16, a GradScaler for fp16 only.
+        self.autocast_dtype = AUTOCAST_DTYPES[cfg.precision.name]
+        if self.autocast_dtype is torch.float16 and self.device.type == "cpu":
+            if not _cpu_autocast_supports(torch.float16):
+                warnings.warn("precision=fp16: CPU autocast does not support float16 here; "
+                              "running bf16 instead", stacklevel=2)
+                self.autocast_dtype = torch.bfloat16
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, init_scale=cfg.precision.init_scale,
+            enabled=self.autocast_dtype is torch.float16)
+
+        shape = (1, -1, 1, 1)
+        self.mean = torch.tensor(list(cfg.dataset.mean), device=self.device).view(shape)
+        self.std = torch.tensor(list(cfg.dataset.std), device=self.device).view(shape)
+
+        self.epoch = 0  # the epoch in progress (0-based)
+        self.position = 0  # samples of this epoch's order already trained on, on this rank
+        self.step = 0  # optimizer steps so far
+        self.best: float | None = None
+        self.stop_signal: int | None = None
+        self._eval_loaders: dict[str, Any] = {}
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def fit(self, resume: dict[str, Any] | None = None) -> float | None:
+        trainer, monitor = self.cfg.trainer, self.cfg.checkpoint.monitor
+        if resume is not None:
+            self.load_state_dict(resume)
+            self.progress.message(f"resumed at epoch {self.epoch + 1}, step {self.step}")
+        self.folder.update_summary(status="running", error=None, epoch=self.epoch, step=self.step,
+                                   monitor=monitor, **self.run_info)
+        restore_signals = self._catch_stop_signals()
+        status, error = "failed", None
+        try:
+            while self.epoch < trainer.max_epochs:
+                self.train_epoch()
+                val = self.evaluate("val")
+                self.epoch, self.position = self.epoch + 1, 0
+                self.end_epoch(val)
+                self._stop_if_signalled()
+            if "test" in self.data.splits:
+                self.test_best()
+            status = "completed"
+            return self.best
+        except RunInterrupted:
+            status = "interrupted"
+            raise
+        except BaseException as exc:
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            error = _one_line(exc)
+            raise
+        finally:
+            restore_signals()
+            self.progress.close()
+            self.folder.update_summary(status=status, error=error, epoch=self.epoch,
+                                       step=self.step)
+            self.tracker.finish(status, self.folder.summary)
+
+    def train_epoch(self) -> None:
+        self.net.train()
+        sampler = self.train_loader.sampler
+        sampler.set_epoch(self.epoch, start=self.position)
+        batches = iter(self.train_loader)
+        done = self.position // self.per_rank_batch
+        self.progress.start_epoch(self.epoch, self.cfg.trainer.max_epochs, self.steps_per_epoch,
+                                  done)
+        window = _Window(self.device)
+        every_n = self.cfg.checkpoint.every_n_steps
+        while done < self.steps_per_epoch:
+            try:
+                self.train_step(batches, window)
+            except torch.OutOfMemoryError:
+                if not self.auto_micro or self.micro == 1:
+                    raise
+                batches = self._shrink_micro_batch()
+                continue
+            done += 1
+            self.step += 1
+            self.position += self.per_rank_batch
+            if self.step % self.cfg.trainer.log_every_n_steps == 0 or done == self.steps_per_epoch:
+                metrics = self._window_metrics(window)
+                self.log(metrics)
+                self.progress.update(done, self.step, metrics)
+                window.reset()
+            else:
+                self.progress.update(done, self.step)
+            if every_n and self.step % every_n == 0 and done < self.steps_per_epoch:
+                self.save_checkpoint()
+            if self.stop_signal is not None:
+                self.save_checkpoint()
+                self._stop_if_signalled()
+
+    def train_step(self, batches, window: _Window) -> None:
+        accumulation = self.per_rank_batch // self.micro
+        step_loss = torch.zeros((), device=self.device)
+        for micro_step in range(accumulation):
+            wait_start = time.perf_counter()
+            images, labels = next(batches)
+            window.wait += time.perf_counter() - wait_start
+            images, labels = self.to_device(images, labels)
+            last = micro_step == accumulation - 1
+            # Only the last micro-batch of a step all-reduces gradients across ranks.
+            sync = contextlib.nullcontext() if last or not self.dist.enabled else self.net.no_sync()
+            with sync, self.autocast():
+                # Dividing by the accumulation makes k micro-batches of b equal one batch of k*b.
+                loss = training_loss(self.net(images), labels) / accumulation
+            self.scaler.scale(loss).backward()
+            step_loss += loss.detach()
+        if not self.scaler.is_enabled() and not torch.isfinite(step_loss).item():
+            self.optimizer.zero_grad(set_to_none=True)
+            self._non_finite_loss(step_loss.item())
+            return
+        if self.cfg.trainer.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        window.steps += 1
+        window.samples += self.per_rank_batch * self.dist.world_size
+        window.loss += step_loss
+
+    @torch.inference_mode()
+    def evaluate(self, split: str) -> dict[str, float]:
+        self.model.eval()
+        loader = self._eval_loader(split)
+        limit = self.cfg.trainer.limit_val_batches
+        sums = torch.zeros(4, dtype=torch.float64)
+        for index, (images, labels) in enumerate(loader):
+            if limit and index >= limit:
+                break
+            images, labels = self.to_device(images, labels)
+            with self.autocast():
+                logits = self.model(images)
+            sums += eval_sums(logits.float(), labels).cpu()
+        sums = all_reduce_sum(sums.to(self.device) if self.dist.enabled else sums).cpu()
+        return eval_metrics(sums, split)
+
+    def end_epoch(self, val: dict[str, float]) -> None:
+        monitor = self.cfg.checkpoint.monitor
+        value = val.get(monitor, self.folder.summary.get(monitor))
+        improved = self.checkpoints.is_better(value, self.best)
+        if improved:
+            self.best = value
+        point = {**val, f"best/{monitor}": self.best}
+        self.log(point)
+        self.folder.update_summary(epoch=self.epoch, step=self.step, **point)
+        self.save_checkpoint(is_best=improved)
+        self.progress.end_epoch(val, self.best, monitor)
+
+    def test_best(self) -> None:
+        best = self.checkpoints.folder / "best.pt"
+        if best.exists():
+            unwrap(self.model).load_state_dict(ckpt.load(best)["model"])
+        test = self.evaluate("test")
+        self.log(test)
+        self.folder.update_summary(**test)
+        self.progress.message("test (best checkpoint): " + "  ".join(
+            f"{k} {v:.4f}" for k, v in test.items()))
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def to_device(self, images: torch.Tensor, labels: torch.Tensor):
+        non_blocking = self.device.type == "cuda"
+        images = images.to(self.device, non_blocking=non_blocking)
+        images = normalize_on_device(images, self.mean, self.std)
+        return (images.contiguous(memory_format=self.memory_format),
+                labels.to(self.device, non_blocking=non_blocking))
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def log(self, metrics: dict[str, float]) -> None:
+        self.folder.log(metrics, self.step, self.epoch)
+        if self.dist.is_main:
+            self.folder.summary.update(metrics)
+        self.tracker.log(metrics, self.step)
+
+    def _window_metrics(self, window: _Window) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
+        loss = all_reduce_sum(window.loss.clone()) / self.dist.world_size
+        return {"train/loss": loss.item() / max(window.steps, 1),
+                "train/lr": self.optimizer.param_groups[0]["lr"],
+                "perf/images_per_s": window.samples / elapsed,
+                "perf/data_wait_frac": window.wait / elapsed}
+
+    def _train_loader(self):
+        return self.data.loader("train", micro_batch_size=self.micro, seed=self.cfg.seed,
+                                rank=self.dist.rank, world_size=self.dist.world_size,
+                                samples_per_step=self.per_rank_batch,
+                                pin_memory=self.device.type == "cuda")
+
+    def _eval_loader(self, split: str):
+        if split not in self._eval_loaders:
+            self._eval_loaders[split] = self.data.loader(
+                split, micro_batch_size=self.micro, seed=self.cfg.seed, rank=self.dist.rank,
+                world_size=self.dist.world_size, pin_memory=self.device.type == "cuda")
+        return self._eval_loaders[split]
+
+    def _shrink_micro_batch(self):
+        """Out of memory: halve the micro-batch, double the accumulation, redo the step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.micro //= 2
+        self.progress.message(f"out of memory: trainer.micro_batch_size -> {self.micro}, "
+                              f"accumulation -> {self.per_rank_batch // self.micro}")
+        self.train_loader = self._train_loader()
+        self.train_loader.sampler.set_epoch(self.epoch, start=self.position)
+        return iter(self.train_loader)
+
+    def _non_finite_loss(self, value: float) -> None:
+        if self.cfg.trainer.nan_policy == "skip":
+            self.progress.message(f"loss is {value} at step {self.step + 1}: step skipped")
+            return
+        last = self.checkpoints.latest_path()
+        kept = f"; the last good checkpoint is {last}" if last else ""
+        raise NonFiniteLoss(f"loss became {value} at step {self.step + 1} (epoch "
+                            f"{self.epoch + 1}){kept}; lower optimizer.lr, use precision=fp32 "
+                            f"or trainer.grad_clip, or trainer.nan_policy=skip")
+
+    # -- stop signals --------------------------------------------------------------------------
+
+    def _catch_stop_signals(self):
+        """SIGTERM / SIGINT ask for a checkpoint at the next step boundary; a second SIGINT
+        aborts at once."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def handler(signum, frame):
+            if self.stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+            self.progress.message(f"{signal.Signals(signum).name}: stopping after this step "
+                                  f"with a checkpoint (Ctrl-C again to abort)")
+
+        for s in previous:
+            signal.signal(s, handler)
+        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+    def _stop_if_signalled(self) -> None:
+        if self.stop_signal is None:
+            return
+        name = signal.Signals(self.stop_signal).name
+        raise RunInterrupted(f"{name} at step {self.step}: checkpoint saved; resume with: "
+                             f"labrun resume {self.folder.path}")
+
+    # -- checkpoint state ----------------------------------------------------------------------
+
+    def save_checkpoint(self, is_best: bool = False) -> None:
+        if self.dist.is_main:
+            self.checkpoints.save(self.state_dict(), self.step, is_best=is_best)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "rng": rng_state(),
+            "data": {"epoch": self.epoch, "position": self.position,
+                     "micro_batch_size": self.micro},
+            "best": self.best,
+            "wandb_run_id": self.tracker.run_id,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "class_names": self.data.class_names,
+            "labrun_version": labrun.__version__,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step, self.best = state["step"], state["best"]
+        self.epoch, self.position = state["data"]["epoch"], state["data"]["position"]
+        if self.auto_micro and state["data"]["micro_batch_size"] != self.micro:
+            self.micro = state["data"]["micro_batch_size"]  # keep what fitted in memory
+            self.train_loader = self._train_loader()
+        set_rng_state(state["rng"])
+        self.folder.truncate_after(self.step)
+        self.folder.summary.update({f"best/{self.cfg.checkpoint.monitor}": self.best})
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG's state as tensors and plain lists (loadable with weights_only=True)."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": [version, list(mt), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def _cpu_autocast_supports(dtype: torch.dtype) -> bool:
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            torch.ones(2, 2) @ torch.ones(2, 2)
+        return True
+    except (RuntimeError, AssertionError):
+        return False
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+
+
+def finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

@@ -1,0 +1,61 @@
+"""Shared fixtures: the project's paths, a runner for the real `python train.py`, and trained
+runs made once per test session and reused (training is the slow part)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROJECT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+LABRUN = str(Path(PYTHON).with_name("labrun"))
+
+# Fast, CPU-only, no W&B: the defaults of every test run unless a test says otherwise.
+FAST = ["logger=csv", "trainer.progress=log", "dataset.num_workers=0"]
+
+
+def run_train(*overrides: str, run_dir: Path | None = None, check: bool = True,
+              env: dict[str, str] | None = None, timeout: int = 300
+              ) -> subprocess.CompletedProcess:
+    """Run the real `python train.py` with `overrides` (plus FAST, which overrides may change)."""
+    args = [PYTHON, str(PROJECT / "train.py"), *FAST, *overrides]
+    if run_dir is not None:
+        args.append(f"hydra.run.dir={run_dir}")
+    result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout[-3000:]}"
+                             f"\n{result.stderr[-3000:]}")
+    return result
+
+
+def run_labrun(*args: str, check: bool = True, timeout: int = 300, cwd: Path = PROJECT
+               ) -> subprocess.CompletedProcess:
+    result = subprocess.run([LABRUN, *args], cwd=cwd, capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"labrun {' '.join(args)} failed ({result.returncode}):\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory) -> Path:
+    """A short real training run on the built-in digits data, shared by every test that only
+    reads a finished run folder (contract, export, serve, compare...)."""
+    run_dir = tmp_path_factory.mktemp("digits_run") / "run"
+    run_train("trainer.max_epochs=3", "dataset.num_workers=2", run_dir=run_dir)
+    return run_dir

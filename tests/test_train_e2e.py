@@ -1,0 +1,108 @@
+"""`python train.py` end to end: the run-folder contract of ARCHITECTURE.md."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import yaml
+
+from conftest import PROJECT, PYTHON, read_metrics, read_summary, run_train
+
+
+def test_default_job_writes_the_run_folder_contract(digits_run):
+    summary = read_summary(digits_run)
+    assert summary["status"] == "completed" and summary["error"] is None
+    # Digits has 10 classes: chance is 0.1; three epochs of the small CNN clear 0.5 easily.
+    assert summary["val/acc"] > 0.5, summary
+    assert summary["best/val/acc"] >= summary["val/acc"]
+    assert summary["epoch"] == 3 and summary["step"] == 3 * 22  # 1437 train images / 64
+
+    hydra = digits_run / ".hydra"
+    assert {"config.yaml", "overrides.yaml", "hydra.yaml"} <= {p.name for p in hydra.iterdir()}
+    saved = yaml.safe_load((hydra / "config.yaml").read_text())
+    assert saved["trainer"]["max_epochs"] == 3 and saved["dataset"]["name"] == "digits"
+
+    points = read_metrics(digits_run)
+    train_points = [p for p in points if "train/loss" in p]
+    val_points = [p for p in points if "val/acc" in p]
+    assert len(val_points) == 3
+    assert all(0 <= p["val/acc"] <= 1 and 0 <= p["val/acc5"] <= 1 for p in val_points)
+    assert all(p["perf/images_per_s"] > 0 and 0 <= p["perf/data_wait_frac"] <= 1
+               for p in train_points)
+    steps = [p["step"] for p in train_points]
+    assert steps == sorted(steps) and steps[-1] == 66
+    assert train_points[-1]["train/loss"] < train_points[0]["train/loss"]
+
+    checkpoints = {p.name for p in (digits_run / "checkpoints").iterdir()}
+    assert {"last.pt", "best.pt", "step-00000022.pt", "step-00000044.pt",
+            "step-00000066.pt"} <= checkpoints
+    state = torch.load(digits_run / "checkpoints" / "last.pt", weights_only=True)
+    expected = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "data",
+                "best", "wandb_run_id", "config", "class_names", "labrun_version"}
+    assert expected <= set(state)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
+    assert state["class_names"] == [str(d) for d in range(10)]
+    assert state["best"] == summary["best/val/acc"]
+
+    provenance = digits_run / "provenance"
+    env = json.loads((provenance / "environment.json").read_text())
+    assert env["torch"] == torch.__version__ and env["hostname"]
+    assert "torch==" in (provenance / "packages.txt").read_text()
+    command = json.loads((provenance / "command.json").read_text())
+    assert command["argv"][0].endswith("train.py")
+    assert "trainer.max_epochs=3" in command["overrides"]
+    assert "commit" in json.loads((provenance / "git.json").read_text())
+    assert (digits_run / "metrics.csv").read_text().startswith("step,")
+
+
+def test_help_lists_groups_and_cfg_job_prints_the_config():
+    import subprocess
+
+    help_text = subprocess.run([PYTHON, "train.py", "--help"], cwd=PROJECT, capture_output=True,
+                               text=True, check=True).stdout
+    for line in ("dataset: cifar10, digits, hdf5, imagefolder, synthetic",
+                 "model: resnet18, resnet50, simple_cnn, torchvision",
+                 "optimizer: adamw, sgd", "precision: bf16, fp16, fp32",
+                 "schedule: constant, cosine, step"):
+        assert line in help_text
+    job = subprocess.run([PYTHON, "train.py", "--cfg", "job", "model=resnet18",
+                          "optimizer.lr=0.2"], cwd=PROJECT, capture_output=True, text=True,
+                         check=True).stdout
+    cfg = yaml.safe_load(job)
+    assert cfg["model"]["name"] == "resnet18" and cfg["optimizer"]["lr"] == 0.2
+
+
+def test_run_folders_started_together_never_collide(tmp_path):
+    import subprocess
+
+    env_root = {"LABRUN_OUTPUT_ROOT": str(tmp_path)}
+    import os
+    procs = [subprocess.Popen([PYTHON, "train.py", "logger=none", "trainer.max_epochs=1",
+                               "trainer.limit_train_batches=1", "trainer.limit_val_batches=1",
+                               "dataset.num_workers=0", "trainer.progress=none"],
+                              cwd=PROJECT, env={**os.environ, **env_root})
+             for _ in range(3)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    runs = list(tmp_path.glob("*/*"))
+    assert len(runs) == 3 and all((r / "summary.json").exists() for r in runs)
+
+
+def test_precision_groups_run_on_cpu(tmp_path):
+    for precision in ("bf16", "fp16"):
+        result = run_train(f"precision={precision}", "trainer.max_epochs=1",
+                           "trainer.limit_train_batches=3", run_dir=tmp_path / precision)
+        summary = read_summary(tmp_path / precision)
+        assert summary["status"] == "completed", result.stderr
+        state = torch.load(tmp_path / precision / "checkpoints" / "last.pt", weights_only=True)
+        if precision == "fp16" and "running bf16 instead" not in result.stderr:
+            assert state["scaler"]["scale"] > 0  # the GradScaler really ran
+
+
+def test_test_split_is_evaluated_with_the_best_checkpoint(tmp_path):
+    run_train("dataset=synthetic", "dataset.num_train=256", "dataset.num_val=64",
+              "dataset.num_test=64", "trainer.max_epochs=2", run_dir=tmp_path / "run")
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed"
+    # The synthetic classes differ by colour: the best checkpoint separates them well.
+    assert 0.5 < summary["test/acc"] <= 1 and "test/loss" in summary
