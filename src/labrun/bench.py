@@ -1,0 +1,306 @@
+"""`labrun bench <name>`: benchmarks that print side-by-side figures and ratios.
+
+    labrun bench data [--root DIR] [--images N] [--json FILE]
+
+Each benchmark is one `configure_<name>(parser)` + `run_<name>(args)` pair registered in
+BENCHES, so `serve` and `trainer` can join without touching the others.
+
+`data` compares, on the same JPEGs, the same train transform (RandomResizedCrop 224 + flip,
+normalised floats at the end), batch size and worker count, in one run:
+  1. baseline: torchvision ImageFolder + PIL + torchvision transforms, as a user writes it;
+  2. imagefolder: labrun's Data.loader over the folder with TurboJPEG (uint8 batches), then
+     float + normalise in the main process as the session does (on the CPU here);
+  3. hdf5: the same from the file `labrun convert` writes;
+  4. ceiling: TurboJPEG full-size decode of the same bytes alone, one core, times workers.
+Every pipeline runs a warm-up epoch, then whole epochs for at least --seconds; the rounds are
+interleaved and each pipeline keeps its best round, which tames noise from other processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from labrun.errors import LabrunError
+
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+PHOTOS_VERSION = 1  # bump when photo_like changes, so cached images are made again
+TARGETS = {"speedup": 3.0, "of_ceiling": 0.75}  # required, stretch
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, (configure_bench, run_bench, help_text) in BENCHES.items():
+        configure_bench(sub.add_parser(name, help=help_text, description=help_text))
+
+
+def run(args: argparse.Namespace) -> int:
+    return BENCHES[args.bench][1](args)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench data
+
+
+def configure_data(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--root", metavar="DIR",
+                        help="your own image folder (DIR/train/<class>/* or DIR/<class>/*) "
+                             "instead of generated photo-like JPEGs")
+    parser.add_argument("--images", type=int, default=1000, metavar="N",
+                        help="generated train images (default: 1000, sides 256-512 px)")
+    parser.add_argument("--work-dir", metavar="DIR",
+                        default=os.path.join(os.environ.get("LABRUN_SCRATCH_DIR",
+                                                            "/tmp/labrun-scratch"), "bench"),
+                        help="where generated images and the HDF5 file are cached "
+                             "(default: $LABRUN_SCRATCH_DIR/bench)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default: 2)")
+    parser.add_argument("--size", type=int, default=224, help="crop size (default: 224)")
+    parser.add_argument("--seconds", type=float, default=3.0,
+                        help="minimum timed seconds per pipeline and round (default: 3)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved rounds; each pipeline keeps its best (default: 2)")
+    parser.add_argument("--json", metavar="FILE", help="write the figures to FILE as JSON")
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(soft_wrap=True)
+    for flag in ("images", "batch_size", "workers", "size", "rounds"):
+        if getattr(args, flag) <= 0:
+            raise LabrunError(f"--{flag.replace('_', '-')} must be a positive number")
+    work_dir = Path(args.work_dir)
+    if args.root:
+        root = Path(args.root)
+        h5_path = work_dir / f"user-{hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:12]}.h5"
+        described = f"{root} (your folder)"
+    else:
+        root = generate_photos(work_dir, args.images, console=console)
+        h5_path = root.with_suffix(".h5")
+        described = f"{args.images} generated photo-like JPEGs, sides 256-512 px, in {root}"
+    if args.root or not h5_path.exists():
+        from labrun.data.convert import convert
+
+        console.print(f"converting {root} -> {h5_path}", highlight=False)
+        convert(str(root), str(h5_path), workers=_cores(), force=True, console=Console(quiet=True))
+    train_dir = root / "train" if (root / "train").is_dir() else root
+
+    pipelines: dict[str, Callable[[], float]] = {
+        "baseline": lambda: measure_loader(
+            lambda: baseline_loader(train_dir, args.size, args.batch_size, args.workers), None,
+            args.seconds),
+        "imagefolder": lambda: measure_labrun(
+            {"name": "imagefolder", "root": str(root)}, args),
+        "hdf5": lambda: measure_labrun({"name": "hdf5", "path": str(h5_path)}, args),
+        "ceiling": lambda: measure_decode(train_dir, args.seconds) * args.workers,
+    }
+    console.print(f"labrun bench data: {described}\nRandomResizedCrop {args.size} + flip + "
+                  f"normalise, batch {args.batch_size}, {args.workers} workers, "
+                  f"{_cores()} cores, best of {args.rounds} round(s)", highlight=False)
+    results = dict.fromkeys(pipelines, 0.0)
+    for round_number in range(args.rounds):
+        for name, measure in pipelines.items():
+            results[name] = max(results[name], measure())
+            console.print(f"  round {round_number + 1}: {name:<12} {results[name]:8.0f} "
+                          f"images/s (best so far)", highlight=False)
+    results["speedup"] = results["hdf5"] / results["baseline"]
+    results["of_ceiling"] = results["hdf5"] / results["ceiling"]
+    print_data_results(console, results, args.workers)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({k: round(v, 3) for k, v in results.items()},
+                                              indent=2) + "\n")
+    return 0
+
+
+def print_data_results(console, results: dict[str, float], workers: int) -> None:
+    from rich.table import Table
+
+    table = Table(title="images/s", title_justify="left")
+    table.add_column("pipeline")
+    table.add_column("images/s", justify="right")
+    rows = {"baseline": "1 baseline: torchvision ImageFolder + PIL + transforms",
+            "imagefolder": "2 labrun imagefolder + turbojpeg",
+            "hdf5": "3 labrun hdf5 + turbojpeg",
+            "ceiling": f"4 ceiling: TurboJPEG decode alone, 1 core x {workers}"}
+    for key, label in rows.items():
+        table.add_row(label, f"{results[key]:.0f}")
+    console.print(table)
+    for key, label, kind in (("speedup", "speedup    (3/1)", "required"),
+                             ("of_ceiling", "of_ceiling (3/4)", "stretch")):
+        met = "met" if results[key] >= TARGETS[key] else "NOT met"
+        console.print(f"{label}: {results[key]:.2f}  (target >= {TARGETS[key]}, {kind}: {met})",
+                      highlight=False)
+
+
+def baseline_loader(train_dir: Path, size: int, batch_size: int, workers: int):
+    """What a user writes from the torchvision docs: PIL decode, PIL transforms, float tensors."""
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms
+
+    transform = transforms.Compose([
+        transforms.RandomResizedCrop(size),
+        transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(),
+        transforms.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD),
+    ])
+    dataset = datasets.ImageFolder(str(train_dir), transform)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
+
+
+def measure_labrun(dataset: dict, args: argparse.Namespace) -> float:
+    import torch
+    from omegaconf import OmegaConf
+
+    from labrun import data
+    from labrun.config import HDF5Config, ImageFolderConfig
+    from labrun.data.transforms import normalize_on_device
+
+    schema = HDF5Config if dataset["name"] == "hdf5" else ImageFolderConfig
+    cfg = OmegaConf.merge(OmegaConf.structured(schema), {
+        **dataset, "decoder": "turbojpeg", "image_size": args.size, "num_workers": args.workers,
+        "mean": IMAGENET_MEAN, "std": IMAGENET_STD})
+    splits = data.build(cfg)
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return measure_loader(
+        lambda: splits.loader("train", micro_batch_size=args.batch_size, seed=0),
+        lambda images: normalize_on_device(images, mean, std), args.seconds)
+
+
+def measure_loader(make_loader: Callable, post: Callable | None, seconds: float) -> float:
+    """Images/s over whole epochs after a warm-up epoch (which starts the workers)."""
+    loader = make_loader()
+
+    def epoch(number: int) -> int:
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(number)
+        count = 0
+        for images, _ in loader:
+            if post is not None:
+                post(images)
+            count += len(images)
+        return count
+
+    try:
+        epoch(0)
+        start, images, number = time.perf_counter(), 0, 1
+        while number < 3 or time.perf_counter() - start < seconds:
+            images += epoch(number)
+            number += 1
+        return images / (time.perf_counter() - start)
+    finally:
+        del loader  # stops persistent workers before the next pipeline starts
+        gc.collect()
+
+
+def measure_decode(train_dir: Path, seconds: float) -> float:
+    """One process decoding the same JPEG bytes at full size with TurboJPEG, images/s."""
+    from turbojpeg import TJPF_RGB, TurboJPEG
+
+    turbo = TurboJPEG()
+    encoded = [p.read_bytes() for p in sorted(train_dir.rglob("*")) if p.is_file()]
+    encoded = [e for e in encoded if e[:3] == b"\xff\xd8\xff"]
+    if not encoded:
+        raise LabrunError(f"{train_dir} has no JPEG files to decode")
+    for data in encoded[:20]:
+        turbo.decode(data, pixel_format=TJPF_RGB)
+    start, count = time.perf_counter(), 0
+    while count < len(encoded) or time.perf_counter() - start < seconds:
+        for data in encoded:
+            turbo.decode(data, pixel_format=TJPF_RGB)
+        count += len(encoded)
+    return count / (time.perf_counter() - start)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Photo-like test images
+
+
+def generate_photos(work_dir: Path, count: int, seed: int = 0, classes: int = 10,
+                    console=None) -> Path:
+    """`count` train JPEGs (plus count // 10 val) under work_dir, made once and cached."""
+    root = work_dir / f"photos-v{PHOTOS_VERSION}-n{count}-seed{seed}"
+    if (root / ".complete").exists():
+        return root
+    if console is not None:
+        console.print(f"generating {count} photo-like JPEGs into {root} (once)", highlight=False)
+    partial = root.with_name(root.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    jobs = [(partial / "train" / f"class{i % classes}" / f"{i:06d}.jpg", seed, i)
+            for i in range(count)]
+    jobs += [(partial / "val" / f"class{i % classes}" / f"{i:06d}.jpg", seed, count + i)
+             for i in range(max(classes, count // 10))]
+    for path, _, _ in jobs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(_cores()) as pool:
+        list(pool.map(_write_photo, jobs, chunksize=32))
+    (partial / ".complete").touch()
+    shutil.rmtree(root, ignore_errors=True)
+    partial.rename(root)
+    return root
+
+
+def _write_photo(job: tuple[Path, int, int]) -> None:
+    from labrun.data.decode import encode_jpeg
+
+    path, seed, index = job
+    rng = np.random.default_rng([seed, index])  # each image depends only on (seed, index)
+    height, width = (int(s) for s in rng.integers(256, 513, size=2))
+    path.write_bytes(encode_jpeg(photo_like(rng, height, width), quality=90))
+
+
+def photo_like(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """uint8 HxWx3 with what makes photos cost what they cost to decode: a smooth lit
+    background, 1/f-like texture at several scales, objects with soft edges, sensor noise."""
+    import cv2
+
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    angle = rng.uniform(0, 2 * math.pi)
+    ramp = (xx * math.cos(angle) + yy * math.sin(angle)) / max(height, width) * 0.5 + 0.5
+    low, high = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+    image = low + (high - low) * ramp[..., None]
+    for cell, amplitude in ((64, 30.0), (16, 16.0), (4, 8.0)):  # coarse texture is strongest
+        noise = rng.normal(0, 1, (height // cell + 2, width // cell + 2, 3)).astype(np.float32)
+        image += amplitude * cv2.resize(noise, (width, height), interpolation=cv2.INTER_CUBIC)
+    image = np.clip(image, 0, 255).astype(np.uint8)
+    for _ in range(int(rng.integers(4, 12))):
+        colour = tuple(int(c) for c in rng.integers(0, 256, 3))
+        x, y = int(rng.integers(0, width)), int(rng.integers(0, height))
+        kind = rng.integers(3)
+        if kind == 0:
+            axes = (int(rng.integers(8, width // 3)), int(rng.integers(8, height // 3)))
+            cv2.ellipse(image, (x, y), axes, float(rng.uniform(0, 180)), 0, 360, colour, -1,
+                        cv2.LINE_AA)
+        elif kind == 1:
+            corners = rng.integers(0, [width, height], size=(int(rng.integers(3, 7)), 2))
+            cv2.fillPoly(image, [corners.astype(np.int32)], colour, cv2.LINE_AA)
+        else:
+            end = (int(rng.integers(0, width)), int(rng.integers(0, height)))
+            cv2.line(image, (x, y), end, colour, int(rng.integers(1, 6)), cv2.LINE_AA)
+    image = cv2.GaussianBlur(image, (0, 0), 0.8)  # lens softness
+    grain = rng.normal(0, 5, image.shape).astype(np.float32)  # sensor noise
+    return np.clip(image + grain, 0, 255).astype(np.uint8)
+
+
+BENCHES: dict[str, tuple[Callable, Callable, str]] = {
+    "data": (configure_data, run_data,
+             "data loading: torchvision baseline vs labrun imagefolder and hdf5 vs decode ceiling"),
+}

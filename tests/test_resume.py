@@ -1,0 +1,92 @@
+"""Resume: an interrupted run continues from its newest checkpoint and ends with weights
+bit-identical to an uninterrupted run (deterministic CPU, with data workers)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, PROJECT, PYTHON, read_metrics, read_summary, run_train
+
+# Three short epochs of 22 steps, a checkpoint every 5 steps, 2 data workers.
+RUN = ["trainer.max_epochs=3", "trainer.deterministic=true", "checkpoint.every_n_steps=5",
+       "dataset.num_workers=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run_train(*RUN, run_dir=run_dir)
+    return final_weights(run_dir)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def start(run_dir: Path) -> subprocess.Popen:
+    args = [PYTHON, "train.py", *FAST, *RUN, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(args, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path.name}: {proc.stderr.read()}"
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+@pytest.mark.parametrize("kill_after", ["step-00000022.pt", "step-00000035.pt"],
+                         ids=["after-epoch-1", "mid-epoch-2"])
+def test_killed_run_resumes_to_identical_weights(tmp_path, uninterrupted, kill_after):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir)
+    wait_for(run_dir / "checkpoints" / kill_after, proc)
+    proc.kill()  # SIGKILL: no chance to save anything more
+    proc.communicate()
+
+    result = run_train(*RUN, run_dir=run_dir)  # checkpoint.resume=auto is the default
+    assert "resuming from" in result.stdout
+    assert read_summary(run_dir)["status"] == "completed"
+    assert_identical(final_weights(run_dir), uninterrupted)
+    steps = [p["step"] for p in read_metrics(run_dir) if "train/loss" in p]
+    assert len(steps) == len(set(steps)), "a resumed run logged some steps twice"
+
+
+def test_sigterm_saves_at_the_next_step_and_resume_command_finishes(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir)
+    wait_for(run_dir / "checkpoints" / "step-00000010.pt", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert f"resume with: labrun resume {run_dir}" in stderr
+    assert read_summary(run_dir)["status"] == "interrupted"
+
+    from conftest import run_labrun
+    run_labrun("resume", str(run_dir))
+    assert read_summary(run_dir)["status"] == "completed"
+    assert_identical(final_weights(run_dir), uninterrupted)
+
+
+def test_resume_refuses_a_changed_config(tmp_path):
+    run_dir = tmp_path / "run"
+    run_train("trainer.max_epochs=1", "trainer.limit_train_batches=2", run_dir=run_dir)
+    result = run_train("trainer.max_epochs=1", "trainer.limit_train_batches=2",
+                       "optimizer.lr=0.5", run_dir=run_dir, check=False)
+    assert result.returncode == 2
+    assert "optimizer.lr" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
