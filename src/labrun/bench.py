@@ -42,7 +42,7 @@ TARGETS = {"speedup": 3.0, "of_ceiling": 0.75}  # required, stretch
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for name, (configure_bench, run_bench, help_text) in BENCHES.items():
+    for name, (configure_bench, _, help_text) in BENCHES.items():
         configure_bench(sub.add_parser(name, help=help_text, description=help_text))
 
 
@@ -203,7 +203,7 @@ def measure_loader(make_loader: Callable, post: Callable | None, seconds: float)
             number += 1
         return images / (time.perf_counter() - start)
     finally:
-        del loader  # stops persistent workers before the next pipeline starts
+        loader = None  # stops persistent workers before the next pipeline starts
         gc.collect()
 
 

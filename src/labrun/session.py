@@ -13,7 +13,6 @@ RNG states, position in the epoch's sample order) is in the checkpoint.
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import signal
 import threading
@@ -428,6 +427,3 @@ def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
-
-def finite_or_none(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None

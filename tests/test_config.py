@@ -1,0 +1,114 @@
+"""Config composition and validation: every option composes, and each mistake a person makes
+ends in one line naming the key and the fix (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from conftest import PROJECT, run_train
+from labrun import config
+from labrun.entry import user_error_message
+
+CONF = PROJECT / "conf"
+GROUPS = ["dataset", "model", "optimizer", "schedule", "precision", "cluster", "logger",
+          "experiment"]
+# Options that need a path or a name before they can validate.
+REQUIRED = {"dataset/imagefolder": ["dataset.root={tmp}"], "dataset/hdf5": ["dataset.path={tmp}"],
+            "model/torchvision": ["model.name=resnet18"]}
+
+
+@pytest.fixture(autouse=True)
+def hydra_conf():
+    config.register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_checked(overrides: list[str]):
+    cfg = compose("train", overrides=["paths.run_dir=/tmp/x", *overrides])
+    config.validate(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("group_option", [f"{g}/{o}" for g in GROUPS for o in options(g)])
+def test_every_option_composes_and_validates(group_option, tmp_path):
+    group, option = group_option.split("/")
+    extra = [e.format(tmp=tmp_path) for e in REQUIRED.get(group_option, [])]
+    cfg = compose_checked([f"{group}={option}", *extra])
+    if group != "experiment":
+        assert cfg[group] is not None
+
+
+def error_line(overrides: list[str], tmp_path: Path) -> str:
+    overrides = [o.format(tmp=tmp_path) for o in overrides]
+    with pytest.raises(Exception) as caught:
+        compose_checked(overrides)
+    message = user_error_message(caught.value)
+    assert message is not None, f"{overrides} raised a non-user error: {caught.value!r}"
+    assert "\n" not in message
+    return message
+
+
+MISTAKES = {
+    "unknown group option": (["model=resnet5"], ["model=resnet5", "resnet50", "simple_cnn"]),
+    "unknown precision": (["precision=fp8"], ["precision=fp8", "bf16, fp16, fp32"]),
+    "misspelled key": (["optimizer.lrr=0.1"], ["optimizer.lrr", "did you mean optimizer.lr"]),
+    "misspelled top-level key": (["trainer.max_epoch=3"], ["trainer.max_epoch", "max_epochs"]),
+    "wrong type": (["optimizer.lr=abc"], ["optimizer.lr", "abc"]),
+    "wrong int type": (["trainer.batch_size=big"], ["trainer.batch_size", "big"]),
+    "negative lr": (["optimizer.lr=-0.1"], ["optimizer.lr=-0.1", "greater than 0"]),
+    "zero epochs": (["trainer.max_epochs=0"], ["trainer.max_epochs=0"]),
+    "negative weight decay": (["optimizer.weight_decay=-1"], ["optimizer.weight_decay"]),
+    "val fraction out of range": (["dataset.val_fraction=1.5"], ["dataset.val_fraction"]),
+    "missing dataset folder": (["dataset=imagefolder", "dataset.root=/no/such/dir"],
+                               ["dataset.root=/no/such/dir", "no such file"]),
+    "dataset folder not given": (["dataset=imagefolder"], ["dataset.root", "required"]),
+    "hdf5 file not given": (["dataset=hdf5"], ["dataset.path", "required"]),
+    "missing hdf5 file": (["dataset=hdf5", "dataset.path={tmp}/none.h5"], ["dataset.path"]),
+    "batch not divisible": (["trainer.batch_size=30", "trainer.micro_batch_size=8"],
+                            ["trainer.batch_size=30", "multiple of 8"]),
+    "batch not divisible by devices": (["trainer.batch_size=31", "trainer.devices=2"],
+                                       ["trainer.batch_size=31", "world size"]),
+    "micro batch not a number": (["trainer.micro_batch_size=many"],
+                                 ["trainer.micro_batch_size=many"]),
+    "unknown accelerator": (["trainer.accelerator=tpu"], ["trainer.accelerator=tpu", "cuda"]),
+    "unknown checkpoint mode": (["checkpoint.mode=best"], ["checkpoint.mode=best", "max, min"]),
+    "missing resume file": (["checkpoint.resume=/no/ckpt.pt"], ["checkpoint.resume"]),
+    "missing init_from file": (["model.init_from=/no/ckpt.pt"], ["model.init_from"]),
+    "unknown nan policy": (["trainer.nan_policy=ignore"], ["trainer.nan_policy"]),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES, ids=list(MISTAKES))
+def test_config_mistake_gives_one_clear_line(mistake, tmp_path):
+    overrides, expected = MISTAKES[mistake]
+    message = error_line(overrides, tmp_path)
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("overrides", [["optimizer.lr=abc"], ["model=resnet5"],
+                                       ["optimizer.lr=-0.1"],
+                                       ["dataset=imagefolder", "dataset.root=/no/such/dir"]])
+def test_the_real_command_exits_2_with_one_line(overrides, tmp_path):
+    result = run_train(*overrides, run_dir=tmp_path / "run", check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_hydra_full_error_shows_the_traceback(tmp_path):
+    result = run_train("optimizer.lr=-0.1", run_dir=tmp_path / "run", check=False,
+                       env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode != 0 and "Traceback" in result.stderr

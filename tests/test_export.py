@@ -1,0 +1,144 @@
+"""`labrun export`: a trained run to ONNX and TorchScript through the real command, the parity
+check, the metadata, --fp16, and refusing checkpoints that would run code."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+from conftest import run_labrun
+from omegaconf import OmegaConf
+
+from labrun import export, models
+from labrun.errors import LabrunError
+
+
+def eager_model(run_dir: Path, which: str = "best") -> torch.nn.Module:
+    state = torch.load(run_dir / "checkpoints" / f"{which}.pt", weights_only=True)
+    model = models.build(OmegaConf.create(state["config"]["model"]), len(state["class_names"]))
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def random_input(batch: int, size: int = 32) -> torch.Tensor:
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))
+
+
+def check_metadata(path: Path, run_dir: Path, fmt: str, which: str = "best") -> dict:
+    meta = json.loads(Path(f"{path}.json").read_text())
+    assert meta["format"] == fmt and meta["dtype"] == "float32"
+    assert meta["class_names"] == [str(d) for d in range(10)] and meta["num_classes"] == 10
+    assert meta["image_size"] == 32 and meta["val_resize_ratio"] == 0.875
+    assert meta["mean"] == [0.5, 0.5, 0.5] and meta["std"] == [0.5, 0.5, 0.5]
+    assert meta["source"]["run_dir"] == str(run_dir.resolve())
+    assert meta["source"]["checkpoint"].endswith(f"checkpoints/{which}.pt")
+    assert meta["versions"]["torch"] == torch.__version__ and meta["versions"]["labrun"]
+    assert meta["parity"]["passed"] and meta["parity"]["images_from"].endswith("digits/val")
+    return meta
+
+
+def test_onnx_export_passes_parity_on_validation_images(digits_run):
+    result = run_labrun("export", str(digits_run), "--format", "onnx")
+    print(result.stdout)
+    assert "parity (dynamo): 32 validation images of digits/val" in result.stdout
+    assert "top-1 agrees on 32/32 -> ok" in result.stdout
+
+    path = digits_run / "export" / "best.onnx"
+    meta = check_metadata(path, digits_run, "onnx")
+    assert meta["exporter"] == "dynamo" and meta["opset"] == export.DEFAULT_OPSET
+    assert meta["parity"]["max_abs_diff"] <= meta["parity"]["tolerance"]
+
+    # An independent look: onnxruntime with a batch size never used in the export.
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = random_input(5)
+    got = session.run(None, {"input": x.numpy()})[0]
+    with torch.no_grad():
+        expected = eager_model(digits_run)(x).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_torchscript_export_passes_parity_on_validation_images(digits_run):
+    result = run_labrun("export", str(digits_run), "--format", "torchscript")
+    print(result.stdout)
+    assert "parity (torchscript): 32 validation images of digits/val" in result.stdout
+
+    path = digits_run / "export" / "best.torchscript.pt"
+    check_metadata(path, digits_run, "torchscript")
+    module = torch.jit.load(str(path))
+    x = random_input(3)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), eager_model(digits_run)(x), rtol=1e-5, atol=1e-5)
+
+
+def test_legacy_exporter_last_checkpoint_and_out(digits_run, tmp_path):
+    out = tmp_path / "deploy" / "last.onnx"
+    result = run_labrun("export", str(digits_run / "checkpoints" / "last.pt"), "--exporter",
+                        "legacy", "--out", str(out), "--opset", "17")
+    assert "parity (legacy)" in result.stdout
+    meta = check_metadata(out, digits_run, "onnx", which="last")
+    assert meta["exporter"] == "legacy" and meta["opset"] == 17
+
+
+def test_fp16_without_a_gpu_is_one_clear_line(digits_run):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: --fp16 works here")
+    result = run_labrun("export", str(digits_run), "--fp16", check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "--fp16" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_fp16_export_code_path_on_the_cpu(digits_run, tmp_path):
+    """The CLI needs CUDA for --fp16; the export code itself runs anywhere (torch and
+    onnxruntime both execute fp16 on the CPU), so the half-precision path is tested here."""
+    for fmt in ("onnx", "torchscript"):
+        out = tmp_path / f"half{export.FORMATS[fmt]}"
+        result = export.export(digits_run, out=out, fmt=fmt, fp16=True, device="cpu")
+        check = result.metadata["parity"]
+        assert result.metadata["dtype"] == "float16" and check["passed"]
+        assert check["tolerance"] >= 1e-2 and check["max_abs_diff"] <= check["tolerance"]
+
+
+class RunsCode:
+    """Unpickling this runs a shell command: the attack weights_only=True stops."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_checkpoint_that_runs_code_is_refused_by_export_and_serve(digits_run, tmp_path):
+    marker = tmp_path / "code-ran"
+    state = torch.load(digits_run / "checkpoints" / "best.pt", weights_only=True)
+    state["payload"] = RunsCode(marker)
+    evil = tmp_path / "checkpoints" / "best.pt"
+    evil.parent.mkdir()
+    torch.save(state, evil)
+
+    for command in (["export", str(evil)], ["serve", str(evil), "--port", "0"]):
+        result = run_labrun(*command, check=False, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert "weights_only" in result.stderr and str(evil) in result.stderr
+        assert "Traceback" not in result.stderr
+    assert not marker.exists()
+
+
+def test_config_naming_an_untrusted_class_is_refused(digits_run, tmp_path, monkeypatch):
+    state = torch.load(digits_run / "checkpoints" / "best.pt", weights_only=True)
+    state["config"]["model"]["_target_"] = "os.system"
+    crafted = tmp_path / "crafted.pt"
+    torch.save(state, crafted)
+    with pytest.raises(LabrunError, match="model._target_=os.system.*LABRUN_TRUSTED"):
+        export.export(crafted, out=tmp_path / "x.onnx")
+    monkeypatch.setenv("LABRUN_TRUSTED_MODULES", "labrun.models.")
+    state["config"]["model"]["norm"] = {"_target_": "subprocess.Popen"}
+    torch.save(state, crafted)
+    with pytest.raises(LabrunError, match="model.norm._target_=subprocess.Popen"):
+        export.export(crafted, out=tmp_path / "x.onnx")

@@ -1,0 +1,122 @@
+"""The numbers the loop must get right: gradient accumulation, schedules, the uint8 pipeline,
+and the out-of-memory fallback of trainer.micro_batch_size=auto."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from conftest import PROJECT, read_summary, run_train
+from labrun import config, schedules
+from labrun.data import EpochSampler
+from labrun.data.transforms import TrainTransform, ValTransform
+
+
+def test_accumulating_micro_batches_equals_one_big_batch(tmp_path):
+    common = ["trainer.batch_size=32", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
+              "optimizer=sgd", "model.dropout=0", "trainer.deterministic=true"]
+    run_train(*common, "trainer.micro_batch_size=32", run_dir=tmp_path / "big")
+    run_train(*common, "trainer.micro_batch_size=8", run_dir=tmp_path / "accum")
+    big = torch.load(tmp_path / "big/checkpoints/last.pt", weights_only=True)["model"]
+    accum = torch.load(tmp_path / "accum/checkpoints/last.pt", weights_only=True)["model"]
+    for key in big:
+        torch.testing.assert_close(accum[key], big[key], rtol=1e-5, atol=1e-6)
+    assert read_summary(tmp_path / "accum")["step"] == 4
+    # The runs did train: 4 steps moved the weights away from the seeded start.
+    start = torch.load(tmp_path / "big/checkpoints/last.pt", weights_only=True)["optimizer"]
+    assert start["state"], "the optimizer never stepped"
+
+
+def test_cosine_schedule_warms_up_then_decays():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scheduler = schedules.cosine(optimizer, steps_per_epoch=10, max_epochs=3, warmup_epochs=1)
+    lrs = []
+    for _ in range(30):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] < lrs[5] < lrs[9] <= 1.0  # warm-up
+    assert lrs[10] == pytest.approx(1.0) and lrs[-1] < 0.02  # then cosine down to ~0
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+
+
+def test_step_schedule():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scheduler = schedules.step(optimizer, steps_per_epoch=2, max_epochs=4, step_epochs=1,
+                               gamma=0.5)
+    lrs = []
+    for _ in range(6):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+
+
+def test_sampler_shards_pads_and_resumes_mid_epoch():
+    full = EpochSampler(10, seed=1, rank=0, world_size=1, multiple=4)
+    assert len(full.indices()) == 8 and full.steps_per_epoch() == 2  # whole steps only
+    ranks = [EpochSampler(10, seed=1, rank=r, world_size=3) for r in range(3)]
+    shards = [r.indices() for r in ranks]
+    assert all(len(s) == 4 for s in shards)  # 10 samples padded to 12 across 3 ranks
+    assert set().union(*shards) == set(range(10))
+    sampler = EpochSampler(10, seed=1)
+    sampler.set_epoch(2)
+    order = [i for _, i in sampler]
+    sampler.set_epoch(2, start=6)
+    assert [i for _, i in sampler] == order[6:]
+    sampler.set_epoch(3)
+    assert [i for _, i in sampler] != order  # a new order each epoch
+    evaluation = [EpochSampler(10, 0, r, 3, shuffle=False, pad=False).indices() for r in range(3)]
+    assert sorted(sum(evaluation, [])) == list(range(10))  # every sample counted once
+
+
+def test_transforms_stay_uint8_and_are_seeded():
+    image = np.random.default_rng(0).integers(0, 256, (300, 400, 3), dtype=np.uint8)
+    train = TrainTransform(224)
+    a = train(image, np.random.default_rng([1, 2, 3]))
+    b = train(image, np.random.default_rng([1, 2, 3]))
+    c = train(image, np.random.default_rng([1, 2, 4]))
+    assert a.dtype == torch.uint8 and a.shape == (3, 224, 224)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    val = ValTransform(224)(image)
+    assert val.dtype == torch.uint8 and val.shape == (3, 224, 224)
+
+
+@pytest.fixture
+def composed(tmp_path):
+    config.register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        yield lambda *o: compose("train", overrides=[f"paths.run_dir={tmp_path}/run", *o])
+
+
+def test_out_of_memory_halves_the_micro_batch(composed, tmp_path, monkeypatch):
+    """A CUDA out-of-memory error is injected (no GPU here): batches above 8 images fail."""
+    from labrun import models, run
+
+    real_build = models.build
+
+    class FailsAbove8(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if self.training and x.shape[0] > 8:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+            return self.inner(x)
+
+    monkeypatch.setattr(run.models, "build", lambda *a, **k: FailsAbove8(real_build(*a, **k)))
+    cfg = composed("trainer.batch_size=32", "trainer.max_epochs=1", "logger=none",
+                   "trainer.limit_train_batches=3", "dataset.num_workers=0",
+                   "trainer.progress=none")
+    run.train(cfg)
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed" and summary["step"] == 3
+    state = torch.load(tmp_path / "run/checkpoints/last.pt", weights_only=True)
+    assert state["data"]["micro_batch_size"] == 8  # 32 -> 16 -> 8: accumulation 4
