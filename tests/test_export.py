@@ -11,9 +11,9 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
-from conftest import run_labrun
 from omegaconf import OmegaConf
 
+from conftest import run_labrun
 from labrun import export, models
 from labrun.errors import LabrunError
 
@@ -137,7 +137,8 @@ def test_config_naming_an_untrusted_class_is_refused(digits_run, tmp_path, monke
     torch.save(state, crafted)
     with pytest.raises(LabrunError, match="model._target_=os.system.*LABRUN_TRUSTED"):
         export.export(crafted, out=tmp_path / "x.onnx")
-    monkeypatch.setenv("LABRUN_TRUSTED_MODULES", "labrun.models.")
+    monkeypatch.setenv("LABRUN_TRUSTED_MODULES", "mylab.")
+    state["config"]["model"]["_target_"] = "labrun.models.SimpleCNN"
     state["config"]["model"]["norm"] = {"_target_": "subprocess.Popen"}
     torch.save(state, crafted)
     with pytest.raises(LabrunError, match="model.norm._target_=subprocess.Popen"):

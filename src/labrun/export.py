@@ -229,7 +229,7 @@ def check_targets(node: Any, key: str) -> None:
     if isinstance(node, dict):
         target = node.get("_target_")
         if target is not None and not str(target).startswith(trusted):
-            package = str(target).split(".")[0]
+            package = str(target).split(".")[0] + "."
             raise LabrunError(
                 f"{key}._target_={target} is outside the trusted modules ({', '.join(trusted)}); "
                 f"if you trust this checkpoint, set LABRUN_TRUSTED_MODULES={package}")
