@@ -62,6 +62,7 @@ def test_onnx_export_passes_parity_on_validation_images(digits_run):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
 def test_torchscript_export_passes_parity_on_validation_images(digits_run):
     result = run_labrun("export", str(digits_run), "--format", "torchscript")
     print(result.stdout)

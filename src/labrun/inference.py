@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from labrun.data import decode
 from labrun.data.transforms import ValTransform, normalize_on_device
 from labrun.errors import LabrunError
 
@@ -53,32 +54,33 @@ def metadata_path(model_path: str | Path) -> Path:
 # Decoding
 
 
-def decode_image(data: bytes) -> np.ndarray:
-    """Encoded image bytes (JPEG, PNG, ...) -> uint8 HxWx3 RGB; ImageError for anything else.
+def decode_image(data: bytes, decoder: str = "turbojpeg", min_size: int | None = None
+                 ) -> np.ndarray:
+    """Encoded image bytes -> uint8 HxWx3 RGB, as the training data pipeline decodes them
+    (labrun.data.decode: TurboJPEG with its reduced-size decode down to `min_size`, Pillow for
+    other formats); ImageError for anything that is not a usable image.
 
-    Pillow (built on libjpeg-turbo) is used because it refuses truncated files instead of
-    returning a half-grey image, and reads the size from the header before decoding, so an
-    oversized image is refused before it takes any memory. EXIF orientation is not applied, as
-    in the training data pipeline.
+    The size is read from the header first, so an oversized image is refused before any
+    memory is taken for it.
     """
     from PIL import Image, UnidentifiedImageError
 
     if not data:
         raise ImageError("empty file")
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise ImageError(f"image is {width}x{height}, more than "
-                                 f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels")
-            image.load()  # decodes now: a truncated or corrupt file raises here
-            return np.asarray(image.convert("RGB"))
+        with Image.open(io.BytesIO(data)) as probe:  # reads the header only
+            width, height = probe.size
     except UnidentifiedImageError:
         raise ImageError("not an image (unknown or unsupported format)") from None
-    except Image.DecompressionBombError as error:
-        raise ImageError(f"image too large: {error}") from None
-    except (OSError, SyntaxError, ValueError) as error:
-        raise ImageError(f"corrupt or truncated image ({str(error)[:120]})") from None
+    except Exception as error:  # noqa: BLE001 - any header that Pillow cannot parse
+        raise ImageError(f"corrupt image header ({first_line(error)})") from None
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ImageError(f"image is {width}x{height}, more than "
+                         f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels")
+    try:
+        return decode.decode(data, decoder, min_size)
+    except Exception as error:  # noqa: BLE001 - whatever a decoder raises, the upload is bad
+        raise ImageError(f"corrupt or truncated image ({first_line(error)})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,6 +156,7 @@ class Predictor:
         self.mean = torch.tensor(meta["mean"], dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(meta["std"], dtype=torch.float32).view(1, -1, 1, 1)
         self.dtype = torch.float16 if meta.get("dtype") == "float16" else torch.float32
+        self.decoder = decode.resolve(meta.get("decoder", "turbojpeg"))
         make_runtime = onnx_runtime if meta["format"] == "onnx" else torchscript_runtime
         self.runtime = make_runtime(self.model_path, threads)
         # One real inference now: a model that cannot run fails at start-up, not per request.
@@ -163,6 +166,11 @@ class Predictor:
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+    def decode(self, data: bytes) -> np.ndarray:
+        """Image bytes -> uint8 HxWx3, with the run's decoder, as its val loader decodes them
+        (the validation transform's size is the smallest size a JPEG may be decoded at)."""
+        return decode_image(data, self.decoder, self.transform.size)
 
     def preprocess(self, image: np.ndarray) -> torch.Tensor:
         """uint8 HxWx3 -> uint8 3xSxS: the validation resize and centre crop."""

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from labrun import config, data, distributed, models, provenance, tracking
@@ -54,16 +55,16 @@ def _train(cfg: DictConfig, dist: distributed.Distributed) -> float | None:
     folder = tracking.RunFolder(run_dir, enabled=dist.is_main)
     if resume is not None:
         folder.truncate_after(resume["step"])
-    run_info: dict[str, Any] = {}
+    recorded = {}
     if dist.is_main:
-        run_info = provenance.write(run_dir / "provenance", hydra_overrides(), PROJECT_DIR)
+        recorded = provenance.write(run_dir / "provenance", hydra_overrides(), PROJECT_DIR)
+    session = TrainingSession(cfg, dataset, model, folder=folder, checkpoints=checkpoints,
+                              dist=dist, run_info={"run_dir": str(run_dir), **recorded})
+    # Built last, right before fit(), whose `finally` always closes it (wandb.finish()).
     tracker = tracking.build(cfg, run_dir, is_main=dist.is_main,
-                             resume_id=resume.get("wandb_run_id") if resume else None)
-    session = TrainingSession(cfg, dataset, model, folder=folder, tracker=tracker,
-                              checkpoints=checkpoints, dist=dist,
-                              run_info={"run_dir": str(run_dir)})
-    session.run_info.update(run_info)
-    return session.fit(resume)
+                             resume_id=resume.get("wandb_run_id") if resume else None,
+                             provenance=recorded, sweep=sweep_info())
+    return session.fit(tracker, resume)
 
 
 def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
@@ -132,3 +133,13 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> 
 
 def hydra_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def sweep_info() -> dict[str, Any]:
+    """What the logger needs to know about the sweep this run belongs to (if any)."""
+    if not HydraConfig.initialized():
+        return {}
+    hydra = HydraConfig.get()
+    return {"dir": hydra.sweep.dir if hydra.mode == RunMode.MULTIRUN else None,
+            "overrides": list(hydra.overrides.task),
+            "experiment": hydra.runtime.choices.get("experiment")}

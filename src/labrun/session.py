@@ -37,7 +37,7 @@ from labrun.distributed import Distributed, all_reduce_sum
 from labrun.errors import LabrunError
 from labrun.models import unwrap
 from labrun.progress import ProgressReporter
-from labrun.tracking import RunFolder, Tracker
+from labrun.tracking import NoTracker, RunFolder, Tracker
 
 
 class RunInterrupted(LabrunError):
@@ -68,10 +68,11 @@ class _Window:
 
 class TrainingSession:
     def __init__(self, cfg: DictConfig, data: Data, model: nn.Module, *, folder: RunFolder,
-                 tracker: Tracker, checkpoints: CheckpointManager, dist: Distributed,
+                 checkpoints: CheckpointManager, dist: Distributed,
                  run_info: dict[str, Any] | None = None):
         trainer = cfg.trainer
-        self.cfg, self.data, self.folder, self.tracker = cfg, data, folder, tracker
+        self.cfg, self.data, self.folder = cfg, data, folder
+        self.tracker: Tracker = NoTracker()
         self.checkpoints, self.dist, self.device = checkpoints, dist, dist.device
         self.run_info = run_info or {}
         self.progress = ProgressReporter(trainer.progress, enabled=dist.is_main)
@@ -126,8 +127,11 @@ class TrainingSession:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def fit(self, resume: dict[str, Any] | None = None) -> float | None:
+    def fit(self, tracker: Tracker, resume: dict[str, Any] | None = None) -> float | None:
+        """Train to trainer.max_epochs; return the best monitored value. `tracker` is finished
+        whatever happens (completed, failed, interrupted)."""
         trainer, monitor = self.cfg.trainer, self.cfg.checkpoint.monitor
+        self.tracker = tracker
         if resume is not None:
             self.load_state_dict(resume)
             self.progress.message(f"resumed at epoch {self.epoch + 1}, step {self.step}")

@@ -141,12 +141,138 @@ class CSVTracker:
         pass
 
 
-def build(cfg: DictConfig, run_dir: Path, *, is_main: bool, resume_id: str | None = None
+class WandbTracker:
+    """Weights & Biases: online when this machine is logged in, otherwise offline.
+
+    A W&B problem (no network, a bad key, a full disk) never stops training: one warning line,
+    then the run goes on with its local files.
+    """
+
+    def __init__(self, logger: DictConfig, run_dir: Path, *, config: dict[str, Any],
+                 group: str | None, job_type: str, tags: list[str], resume_id: str | None):
+        self.run = None
+        self.run_id = resume_id
+        mode = wandb_mode(logger.mode)
+        if mode == "disabled":
+            return
+        try:
+            import wandb
+
+            self.run = wandb.init(
+                project=logger.project, entity=logger.entity, dir=str(run_dir), mode=mode,
+                config=config, group=group, job_type=job_type, tags=tags,
+                name=f"{run_dir.parent.name}/{run_dir.name}",
+                id=resume_id, resume="allow",
+                # labrun prints its own progress; W&B's banners would only repeat it.
+                settings=wandb.Settings(silent=True))
+        except Exception as error:  # noqa: BLE001 - any W&B failure must not stop training
+            _warn(f"W&B could not start ({_first_line(error)}); continuing with local metrics")
+            return
+        self.run_id = self.run.id
+        if mode == "offline":
+            print(f"W&B offline: the run is saved in {self.run.dir.rsplit('/files', 1)[0]}; "
+                  f"upload it with: wandb sync {self.run.dir.rsplit('/files', 1)[0]}", flush=True)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log(metrics, step=step)
+        except Exception as error:  # noqa: BLE001
+            _warn(f"W&B logging failed ({_first_line(error)}); continuing with local metrics")
+            self.run = None
+
+    def finish(self, status: str, summary: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.summary.update({k: v for k, v in summary.items() if v is not None})
+            self.run.finish(exit_code=0 if status == "completed" else 1)
+        except Exception as error:  # noqa: BLE001
+            _warn(f"W&B finish failed ({_first_line(error)})")
+        self.run = None
+
+
+def wandb_logged_in() -> bool:
+    """An API key in the environment or in ~/.netrc, where `wandb login` puts it."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1].split("/")[0]
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def wandb_mode(mode: str) -> str:
+    if mode == "auto":
+        return "online" if wandb_logged_in() else "offline"
+    return mode
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def _warn(message: str) -> None:
+    import sys
+
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class TensorBoardTracker:
+    """Event files in the run folder: `tensorboard --logdir outputs/`."""
+
+    run_id = None
+
+    def __init__(self, run_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            from labrun.errors import ConfigError
+
+            raise ConfigError("logger=tensorboard needs the tensorboard package: "
+                              "pip install -e '.[tensorboard]'") from error
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def finish(self, status: str, summary: dict[str, Any]) -> None:
+        self.writer.close()
+
+
+def build(cfg: DictConfig, run_dir: Path, *, is_main: bool, resume_id: str | None = None,
+          provenance: dict[str, Any] | None = None, sweep: dict[str, Any] | None = None
           ) -> Tracker:
-    """The backend `logger.name` asks for (rank 0 only)."""
+    """The backend `logger.name` asks for (rank 0 only).
+
+    `sweep` is {"dir": sweep folder, "overrides": [...], "experiment": name or None} from Hydra.
+    """
     name = cfg.logger.name
     if not is_main or name == "none":
         return NoTracker()
     if name == "csv":
         return CSVTracker(run_dir)
-    raise NotImplementedError(f"logger={name}")
+    if name == "tensorboard":
+        return TensorBoardTracker(run_dir)
+    sweep = sweep or {}
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["overrides"] = sweep.get("overrides", [])
+    config["provenance"] = provenance or {}
+    group = cfg.logger.group
+    if group is None and sweep.get("dir"):
+        sweep_dir = Path(sweep["dir"])
+        group = f"{sweep_dir.parent.name}_{sweep_dir.name}"
+    tags = list(cfg.logger.tags)
+    if sweep.get("experiment"):
+        tags.append(sweep["experiment"])
+    return WandbTracker(cfg.logger, run_dir, config=config, group=group,
+                        job_type="sweep" if sweep.get("dir") else "run",
+                        tags=sorted(set(tags)), resume_id=resume_id)

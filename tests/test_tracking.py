@@ -1,0 +1,134 @@
+"""W&B (the real client, offline: there is no W&B server here), TensorBoard, and provenance."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, PROJECT, PYTHON, read_metrics, read_summary, run_train
+from labrun import provenance
+
+WANDB = str(Path(PYTHON).with_name("wandb"))
+OFFLINE = {"WANDB_MODE": "offline", "WANDB_API_KEY": "", "NETRC": "/nonexistent"}
+
+
+def inspect_records(offline_run: Path) -> list[dict]:
+    """The records of an offline run, read back with W&B's own tool."""
+    out = subprocess.run([WANDB, "leet", "inspect", "--json", str(offline_run)],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def offline_runs(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "wandb").glob("offline-run-*"))
+
+
+@pytest.fixture(scope="module")
+def wandb_run(tmp_path_factory) -> tuple[Path, str]:
+    run_dir = tmp_path_factory.mktemp("wandb") / "run"
+    result = run_train("logger=wandb", "trainer.max_epochs=2", "trainer.log_every_n_steps=5",
+                       "logger.tags=[smoke]", run_dir=run_dir, env=OFFLINE)
+    return run_dir, result.stdout
+
+
+def test_offline_run_matches_the_run_folder(wandb_run):
+    run_dir, stdout = wandb_run
+    [offline] = offline_runs(run_dir)
+    assert f"upload it with: wandb sync {offline}" in stdout
+    records = inspect_records(offline)
+
+    run = next(r["run"] for r in records if r["type"] == "run")
+    config = run["config"]["update"]
+    assert config["optimizer"]["lr"] == 0.003  # nested, not a flat string
+    assert config["trainer"]["max_epochs"] == 2
+    assert "trainer.max_epochs=2" in config["overrides"]
+    assert set(config["provenance"]) >= {"git_commit", "git_dirty", "host", "torch"}
+    assert run["job_type"] == "run" and run["tags"] == ["smoke"]
+
+    history = [r["history"] for r in records if r["type"] == "history"]
+    points = read_metrics(run_dir)
+    assert len(history) == len({p["step"] for p in points})  # one W&B row per logged step
+    logged = {row["step"]["num"]: row["item"] for row in history}
+    for point in points:
+        for key, value in point.items():
+            if "/" in key:
+                assert logged[point["step"]][key] == pytest.approx(value), (key, point["step"])
+
+    summary = json.loads(subprocess.run(
+        [WANDB, "leet", "inspect", "--summary", "--json", str(offline)], capture_output=True,
+        text=True, check=True).stdout)
+    local = read_summary(run_dir)
+    assert summary["state"] == "finished"
+    assert summary["summary"]["best/val/acc"] == pytest.approx(local["best/val/acc"])
+    assert summary["summary"]["val/acc"] == pytest.approx(local["val/acc"])
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [PYTHON, "train.py", *FAST, "logger=wandb", "trainer.max_epochs=2",
+            f"hydra.run.dir={run_dir}"]
+    import os
+    proc = subprocess.Popen(args, cwd=PROJECT, env={**os.environ, **OFFLINE},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run_dir / "checkpoints" / "step-00000022.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # interrupted: checkpoint, then wandb.finish()
+    proc.wait(timeout=60)
+    run_train("logger=wandb", "trainer.max_epochs=2", run_dir=run_dir, env=OFFLINE)
+    first, second = offline_runs(run_dir)
+    ids = {next(r["run"]["run_id"] for r in inspect_records(p) if r["type"] == "run")
+           for p in (first, second)}
+    assert len(ids) == 1, "the resumed run started a new W&B run"
+    second_run = next(r["run"] for r in inspect_records(second) if r["type"] == "run")
+    assert second_run["resume"] is True
+
+
+def test_wandb_failure_never_stops_training(tmp_path):
+    """An unreachable W&B server (a closed port on loopback) and a bad key."""
+    result = run_train("logger=wandb", "logger.mode=online", "trainer.max_epochs=1",
+                       "trainer.limit_train_batches=2", run_dir=tmp_path / "run",
+                       env={"WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9",
+                            "WANDB_INIT_TIMEOUT": "10"})
+    assert "W&B could not start" in result.stderr
+    assert read_summary(tmp_path / "run")["status"] == "completed"
+    assert "x" * 40 not in (tmp_path / "run" / "provenance" / "command.json").read_text()
+
+
+def test_tensorboard_logger_writes_event_files(tmp_path):
+    run_train("logger=tensorboard", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+              run_dir=tmp_path / "run")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert {"train/loss", "val/acc"} <= set(events.Tags()["scalars"])
+
+
+def test_provenance_records_a_patch_when_the_tree_is_dirty(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "model.py").write_text("width = 32\n")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], check=True)
+    (repo / "model.py").write_text("width = 64\n")
+    monkeypatch.setenv("WANDB_API_KEY", "secret-key-value")
+    monkeypatch.setattr(sys, "argv", ["train.py", "+wandb.api_key=abc123", "optimizer.lr=0.1"])
+    recorded = provenance.write(tmp_path / "prov", ["optimizer.lr=0.1"], repo)
+    assert recorded["git_dirty"] is True
+    assert "+width = 64" in (tmp_path / "prov" / "git.diff").read_text()
+    everything = "".join(p.read_text() for p in (tmp_path / "prov").iterdir())
+    assert "secret-key-value" not in everything and "abc123" not in everything
+    assert "+wandb.api_key=<redacted>" in everything
+    (repo / "model.py").write_text("width = 32\n")
+    assert provenance.write(tmp_path / "clean", [], repo)["git_dirty"] is False
+    assert not (tmp_path / "clean" / "git.diff").exists()
