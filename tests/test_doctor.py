@@ -48,3 +48,8 @@ def test_table_lists_checks_with_their_fixes(capsys):
     out = capsys.readouterr().out
     assert "torch" in out and "no GPU" in out and "check nvidia-smi" in out
     assert "1 ok, 1 warnings, 0 failed" in out
+
+
+def test_two_process_all_reduce_runs_on_the_cpu_with_gloo():
+    """The orchestration behind the NCCL check (spawn, rendezvous, exit codes), on gloo."""
+    assert doctor.two_process_all_reduce(backend="gloo", timeout_s=60) is None

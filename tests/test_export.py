@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,14 @@ from omegaconf import OmegaConf
 from conftest import run_labrun
 from labrun import export, models
 from labrun.errors import LabrunError
+
+
+@pytest.fixture(scope="module")
+def run_copy(digits_run, tmp_path_factory) -> Path:
+    """A copy of the shared run, so that export/ written into it stays out of other tests."""
+    copy = tmp_path_factory.mktemp("export") / "run"
+    shutil.copytree(digits_run, copy)
+    return copy
 
 
 def eager_model(run_dir: Path, which: str = "best") -> torch.nn.Module:
@@ -42,14 +51,14 @@ def check_metadata(path: Path, run_dir: Path, fmt: str, which: str = "best") -> 
     return meta
 
 
-def test_onnx_export_passes_parity_on_validation_images(digits_run):
-    result = run_labrun("export", str(digits_run), "--format", "onnx")
+def test_onnx_export_passes_parity_on_validation_images(run_copy):
+    result = run_labrun("export", str(run_copy), "--format", "onnx")
     print(result.stdout)
     assert "parity (dynamo): 32 validation images of digits/val" in result.stdout
     assert "top-1 agrees on 32/32 -> ok" in result.stdout
 
-    path = digits_run / "export" / "best.onnx"
-    meta = check_metadata(path, digits_run, "onnx")
+    path = run_copy / "export" / "best.onnx"
+    meta = check_metadata(path, run_copy, "onnx")
     assert meta["exporter"] == "dynamo" and meta["opset"] == export.DEFAULT_OPSET
     assert meta["parity"]["max_abs_diff"] <= meta["parity"]["tolerance"]
 
@@ -58,22 +67,22 @@ def test_onnx_export_passes_parity_on_validation_images(digits_run):
     x = random_input(5)
     got = session.run(None, {"input": x.numpy()})[0]
     with torch.no_grad():
-        expected = eager_model(digits_run)(x).numpy()
+        expected = eager_model(run_copy)(x).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
-def test_torchscript_export_passes_parity_on_validation_images(digits_run):
-    result = run_labrun("export", str(digits_run), "--format", "torchscript")
+def test_torchscript_export_passes_parity_on_validation_images(run_copy):
+    result = run_labrun("export", str(run_copy), "--format", "torchscript")
     print(result.stdout)
     assert "parity (torchscript): 32 validation images of digits/val" in result.stdout
 
-    path = digits_run / "export" / "best.torchscript.pt"
-    check_metadata(path, digits_run, "torchscript")
+    path = run_copy / "export" / "best.torchscript.pt"
+    check_metadata(path, run_copy, "torchscript")
     module = torch.jit.load(str(path))
     x = random_input(3)
     with torch.no_grad():
-        torch.testing.assert_close(module(x), eager_model(digits_run)(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(module(x), eager_model(run_copy)(x), rtol=1e-5, atol=1e-5)
 
 
 def test_legacy_exporter_last_checkpoint_and_out(digits_run, tmp_path):
@@ -144,3 +153,11 @@ def test_config_naming_an_untrusted_class_is_refused(digits_run, tmp_path, monke
     torch.save(state, crafted)
     with pytest.raises(LabrunError, match="model.norm._target_=subprocess.Popen"):
         export.export(crafted, out=tmp_path / "x.onnx")
+
+
+def test_export_never_overwrites_its_checkpoint(digits_run, tmp_path):
+    checkpoint = tmp_path / "best.pt"
+    shutil.copy(digits_run / "checkpoints" / "best.pt", checkpoint)
+    with pytest.raises(LabrunError, match="is the checkpoint being exported"):
+        export.export(checkpoint, out=checkpoint, fmt="torchscript")
+    assert torch.load(checkpoint, weights_only=True)["step"] > 0

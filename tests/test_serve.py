@@ -15,11 +15,14 @@ import cv2
 import httpx
 import numpy as np
 import pytest
+import torch
+from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import LABRUN, PROJECT, run_labrun
-from labrun import inference
+from labrun import inference, models
 from labrun.data import digits
+from labrun.data.transforms import ValTransform, normalize_on_device
 
 
 def free_port() -> int:
@@ -101,7 +104,7 @@ def test_predictions_match_the_offline_predictor(server, onnx_model, jpegs):
                                                                      "image/jpeg")})
         assert answer.status_code == 200
         top = answer.json()["top"]
-        expected = predictor.predict([inference.decode_image(jpeg)], k=3)[0]
+        expected = predictor.predict([predictor.decode(jpeg)], k=3)[0]
         assert [t["index"] for t in top] == [t["index"] for t in expected]
         assert [t["class"] for t in top] == [str(t["index"]) for t in top]
         np.testing.assert_allclose([t["prob"] for t in top], [t["prob"] for t in expected],
@@ -115,6 +118,28 @@ def test_predictions_match_the_offline_predictor(server, onnx_model, jpegs):
     for (jpeg, _), result in zip(jpegs[:3], batch, strict=True):
         single = httpx.post(f"{server}/predict?k=2", files={"file": ("a.jpg", jpeg)}).json()
         assert [t["index"] for t in result["top"]] == [t["index"] for t in single["top"]]
+
+
+def test_served_probabilities_equal_the_validation_pipeline(server, digits_run):
+    """A lossless PNG of a validation image, served, gives the eager model's probabilities
+    on that image after the validation loader's transform and the trainer's normalisation."""
+    state = torch.load(digits_run / "checkpoints" / "best.pt", weights_only=True)
+    model = models.build(OmegaConf.create(state["config"]["model"]), 10).eval()
+    model.load_state_dict(state["model"])
+    dataset = state["config"]["dataset"]
+    mean = torch.tensor(dataset["mean"]).view(1, 3, 1, 1)
+    std = torch.tensor(dataset["std"]).view(1, 3, 1, 1)
+    transform = ValTransform(dataset["image_size"], dataset["augment"]["val_resize_ratio"])
+    val = digits.load(dataset["image_size"], dataset["val_fraction"])["val"]
+    for i in range(4):
+        buffer = io.BytesIO()
+        Image.fromarray(val.load(i)).save(buffer, format="PNG")
+        answer = httpx.post(f"{server}/predict?k=10", files={"file": ("v.png", buffer.getvalue())})
+        served = {t["index"]: t["prob"] for t in answer.json()["top"]}
+        with torch.no_grad():
+            x = normalize_on_device(transform(val.load(i))[None], mean, std)
+            expected = model(x).double().softmax(1)[0]
+        np.testing.assert_allclose([served[c] for c in range(10)], expected.numpy(), atol=1e-5)
 
 
 def chunks(total: int, head: bytes):

@@ -1,6 +1,7 @@
 """`labrun bench <name>`: benchmarks that print side-by-side figures and ratios.
 
     labrun bench data [--root DIR] [--images N] [--json FILE]
+    labrun bench all                  every benchmark with its defaults (`make bench`)
 
 Each benchmark is one `configure_<name>(parser)` + `run_<name>(args)` pair registered in
 BENCHES, so `serve` and `trainer` can join without touching the others.
@@ -44,10 +45,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, (configure_bench, _, help_text) in BENCHES.items():
         configure_bench(sub.add_parser(name, help=help_text, description=help_text))
+    sub.add_parser("all", help="every benchmark above, with its defaults (what `make bench` runs)")
 
 
 def run(args: argparse.Namespace) -> int:
-    return BENCHES[args.bench][1](args)
+    if args.bench != "all":
+        return BENCHES[args.bench][1](args)
+    worst = 0
+    for configure_bench, run_bench, _ in BENCHES.values():
+        defaults = argparse.ArgumentParser()
+        configure_bench(defaults)
+        worst = max(worst, run_bench(defaults.parse_args([])))
+    return worst
 
 
 # ---------------------------------------------------------------------------------------------

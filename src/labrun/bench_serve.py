@@ -156,7 +156,7 @@ def bench_direct(model: Path, jpegs: list[bytes], requests: int, clients: int
                  ) -> dict[str, Any]:
     # The server's settings: one worker, so all cores for onnxruntime's intra-op threads.
     predictor = inference.Predictor(model, inference.default_threads(1))
-    inputs = [predictor.normalize(predictor.preprocess(inference.decode_image(j))[None])
+    inputs = [predictor.normalize(predictor.preprocess(predictor.decode(j))[None])
               for j in jpegs]
 
     def call(_: None, i: int) -> bool:

@@ -204,8 +204,33 @@ class PrecisionConfig:
 @dataclass
 class ClusterConfig:
     name: str = "local"
-    gpu_ids: list[int] | None = None
-    max_parallel: int | None = None
+    env: dict[str, str] = field(default_factory=dict)  # environment variables for every job
+
+
+@dataclass
+class LocalClusterConfig(ClusterConfig):
+    gpu_ids: list[int] | None = None  # default: every visible GPU
+    max_parallel: int | None = None  # default: len(gpu_ids) // devices, 1 without GPUs
+    devices: int = 1  # GPUs per job: trainer.devices
+
+
+@dataclass
+class SlurmClusterConfig(ClusterConfig):
+    partition: str | None = None
+    qos: str | None = None  # the lab's "urgent" label
+    account: str | None = None
+    cpus_per_task: int = 4
+    mem_gb: int | None = None
+    timeout_min: int = 1440
+    nodes: int = 1
+    gpus_per_node: int | None = None  # GPUs per node: trainer.devices (null: no GRES)
+    tasks_per_node: int = 1  # one process per GPU: trainer.devices
+    array_parallelism: int = 16  # jobs of one sweep running at once
+    max_num_timeout: int = 3  # requeues after a time-out (preemptions do not count)
+    signal_delay_s: int = 120  # USR2 this long before the time limit: checkpoint, requeue
+    extra_sbatch: dict[str, Any] = field(default_factory=dict)  # any other sbatch option
+    detach: bool = False  # return after submission; `labrun status SWEEP_DIR` shows progress
+    snapshot: bool = True  # jobs run the code as it was at submission
 
 
 @dataclass
@@ -217,6 +242,8 @@ class LoggerConfig:
     group: str | None = None  # default: the sweep folder's name
     tags: list[str] = field(default_factory=list)
 
+
+PLUGIN = "hydra_plugins.labrun_launcher.labrun_launcher."
 
 SCHEMAS: dict[str, Any] = {
     "train": TrainConfig,
@@ -234,7 +261,8 @@ SCHEMAS: dict[str, Any] = {
     "schedule/step": StepScheduleConfig,
     "schedule/constant": ScheduleConfig,
     "precision": PrecisionConfig,
-    "cluster": ClusterConfig,
+    "cluster/local": LocalClusterConfig,
+    "cluster/slurm": SlurmClusterConfig,
     "logger": LoggerConfig,
 }
 
@@ -245,6 +273,11 @@ def register() -> None:
     for path, node in SCHEMAS.items():
         group, _, name = path.rpartition("/")
         store.store(group=f"schema/{group}".rstrip("/"), name=name or path, node=node)
+    # The launchers behind `cluster=`: their settings are read from the cluster config.
+    store.store(group="hydra/launcher", name="labrun_local",
+                node={"_target_": PLUGIN + "LabrunLocalLauncher"})
+    store.store(group="hydra/launcher", name="labrun_slurm",
+                node={"_target_": PLUGIN + "LabrunSlurmLauncher"})
     if not OmegaConf.has_resolver("labrun.token"):
         OmegaConf.register_new_resolver("labrun.token", run_token)
 

@@ -22,6 +22,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -56,7 +57,7 @@ def run(args) -> int:
 
 def run_checks(partition: str | None = None) -> list[Check]:
     context = load_project_context(partition)
-    steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
+    steps: list[tuple[str, Callable[[], Check | list[Check]] | None]] = [
         ("python", check_python),
         ("torch", check_torch),
         ("torchvision", check_torchvision),
@@ -67,19 +68,25 @@ def run_checks(partition: str | None = None) -> list[Check]:
         ("turbojpeg", check_turbojpeg),
         ("h5py", check_h5py),
         ("wandb", check_wandb),
-        ("slurm", lambda: check_slurm(context["partition"], context["partition_from"])),
+        ("slurm", None),  # started first, in the background: see below
         ("disk", lambda: check_disk(context["folders"])),
         ("requirements", check_requirements),
     ]
-    checks: list[Check] = []
-    for name, step in steps:
-        try:
-            result = step()
-        except Exception as error:  # noqa: BLE001 - a crashing check is a failed check
-            result = Check(name, FAILED, f"the check itself crashed: {type(error).__name__}: "
-                                         f"{_first_line(error)}", "run with a debugger; report it")
-        checks += result if isinstance(result, list) else [result]
-    return checks
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # sinfo waits out SLURM's 10 s message timeout when the controller is down; it runs
+        # beside the other checks rather than after them.
+        slurm = pool.submit(guarded, "slurm", lambda: check_slurm(context["partition"],
+                                                                  context["partition_from"]))
+        results = [guarded(name, step) if step else slurm.result() for name, step in steps]
+    return [c for result in results for c in (result if isinstance(result, list) else [result])]
+
+
+def guarded(name: str, step: Callable[[], Check | list[Check]]) -> Check | list[Check]:
+    try:
+        return step()
+    except Exception as error:  # noqa: BLE001 - a crashing check is a failed check
+        return Check(name, FAILED, f"the check itself crashed: {type(error).__name__}: "
+                                   f"{_first_line(error)}", "run with a debugger; report it")
 
 
 def print_table(checks: list[Check]) -> None:
@@ -264,14 +271,15 @@ def check_nccl() -> Check:
     return Check("nccl", OK, f"NCCL {version}; 2-process all_reduce on GPUs 0 and 1 ok")
 
 
-def two_process_all_reduce(timeout_s: float = 120) -> str | None:
-    """None when two processes on GPUs 0 and 1 all_reduce correctly, else what went wrong."""
+def two_process_all_reduce(backend: str = "nccl", timeout_s: float = 120) -> str | None:
+    """None when two processes (on GPUs 0 and 1 with nccl) all_reduce correctly, else what
+    went wrong. The tests run it with gloo on the CPU."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
         init = f"file://{folder}/init"
-        workers = [context.Process(target=_all_reduce_worker, args=(rank, 2, init))
+        workers = [context.Process(target=_all_reduce_worker, args=(rank, 2, init, backend))
                    for rank in range(2)]
         for worker in workers:
             worker.start()
@@ -286,15 +294,18 @@ def two_process_all_reduce(timeout_s: float = 120) -> str | None:
     return None if codes == [0, 0] else f"worker exit codes {codes} (3: wrong sum)"
 
 
-def _all_reduce_worker(rank: int, world_size: int, init_method: str) -> None:
+def _all_reduce_worker(rank: int, world_size: int, init_method: str, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = "cuda"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     try:
-        tensor = torch.full((1024,), float(rank + 1), device="cuda")
+        tensor = torch.full((1024,), float(rank + 1), device=device)
         dist.all_reduce(tensor)
         expected = world_size * (world_size + 1) / 2
         if not torch.all(tensor == expected):

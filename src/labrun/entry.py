@@ -54,9 +54,10 @@ def _print_if_expected(error: BaseException) -> int | None:
 
 
 def run_hydra_app(main: Callable[[], object]) -> None:
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
-        os.environ["LABRUN_FULL_ERROR"] = "1"  # the person asked for tracebacks
-    # Let composition errors reach this function instead of Hydra's printer.
+    # Remember whether the person asked for tracebacks (child processes inherit the answer),
+    # then let composition errors reach this function instead of Hydra's printer.
+    os.environ.setdefault("LABRUN_FULL_ERROR",
+                          "1" if os.environ.get("HYDRA_FULL_ERROR") == "1" else "0")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()

@@ -106,6 +106,8 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
     cfg, class_names = state["config"], list(state["class_names"])
     model = build_model(cfg, class_names, state["model"], checkpoint)
     out = out or default_output(checkpoint, run_dir, fmt, fp16)
+    if out.resolve() == checkpoint.resolve():
+        raise LabrunError(f"--out {out} is the checkpoint being exported; choose another path")
     out.parent.mkdir(parents=True, exist_ok=True)
     if device is None:
         device = "cuda" if fp16 else "cpu"
@@ -159,6 +161,8 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
         "num_classes": len(class_names),
         "image_size": size,
         "val_resize_ratio": resize_ratio,
+        # How the run's loader decodes files (in-memory datasets use the default pipeline's).
+        "decoder": dataset.get("decoder", "turbojpeg"),
         "mean": list(mean),
         "std": list(std),
         "exporter": name if fmt == "onnx" else "torch.jit.trace",

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from labrun.data import decode
+from labrun.data import decode as data_decode
 from labrun.data.transforms import ValTransform, normalize_on_device
 from labrun.errors import LabrunError
 
@@ -78,7 +78,7 @@ def decode_image(data: bytes, decoder: str = "turbojpeg", min_size: int | None =
         raise ImageError(f"image is {width}x{height}, more than "
                          f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels")
     try:
-        return decode.decode(data, decoder, min_size)
+        return data_decode.decode(data, decoder, min_size)
     except Exception as error:  # noqa: BLE001 - whatever a decoder raises, the upload is bad
         raise ImageError(f"corrupt or truncated image ({first_line(error)})") from None
 
@@ -156,7 +156,7 @@ class Predictor:
         self.mean = torch.tensor(meta["mean"], dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(meta["std"], dtype=torch.float32).view(1, -1, 1, 1)
         self.dtype = torch.float16 if meta.get("dtype") == "float16" else torch.float32
-        self.decoder = decode.resolve(meta.get("decoder", "turbojpeg"))
+        self.decoder = data_decode.resolve(meta.get("decoder", "turbojpeg"))
         make_runtime = onnx_runtime if meta["format"] == "onnx" else torchscript_runtime
         self.runtime = make_runtime(self.model_path, threads)
         # One real inference now: a model that cannot run fails at start-up, not per request.
@@ -231,11 +231,12 @@ def is_torchscript_archive(path: Path) -> bool:
 
 
 def needs_export(model: Path) -> bool:
-    """A run folder, or a checkpoint without exported metadata: export before predicting."""
+    """A run folder or a checkpoint (any file that is not an exported model): export first."""
     if model.is_dir():
         return True
-    return (model.suffix == ".pt" and not metadata_path(model).exists()
-            and not is_torchscript_archive(model))
+    exported = (metadata_path(model).exists() or model.suffix == ".onnx"
+                or is_torchscript_archive(model))
+    return not exported
 
 
 def export_for_inference(model: Path, folder: Path) -> Path:

@@ -83,7 +83,7 @@ def predict_files(predictor: inference.Predictor, paths: list[Path], k: int, bat
         images = []
         for path in chunk:
             try:
-                images.append(inference.decode_image(path.read_bytes()))
+                images.append(predictor.decode(path.read_bytes()))
             except (inference.ImageError, OSError) as error:
                 print(f"skipped {path}: {error}", file=sys.stderr)
                 images.append(None)

@@ -140,6 +140,8 @@ def sweep_info() -> dict[str, Any]:
     if not HydraConfig.initialized():
         return {}
     hydra = HydraConfig.get()
-    return {"dir": hydra.sweep.dir if hydra.mode == RunMode.MULTIRUN else None,
+    # A job of labrun's local launcher is a single run inside a sweep folder.
+    sweep_dir = os.environ.get("LABRUN_SWEEP_DIR")
+    return {"dir": sweep_dir or (hydra.sweep.dir if hydra.mode == RunMode.MULTIRUN else None),
             "overrides": list(hydra.overrides.task),
             "experiment": hydra.runtime.choices.get("experiment")}

@@ -140,7 +140,7 @@ def create_app(predictor: inference.Predictor, max_upload_bytes: int):
     @app.post("/predict")
     def predict(file: Annotated[UploadFile, File(description="the image")],
                 k: TopK = 5) -> dict[str, Any]:
-        image = read_upload(file, "file")
+        image = read_upload(predictor, file, "file")
         return {"top": predictor.predict([image], k)[0]}
 
     @app.post("/predict/batch")
@@ -149,7 +149,7 @@ def create_app(predictor: inference.Predictor, max_upload_bytes: int):
         if len(files) > MAX_BATCH_FILES:
             raise HTTPException(413, f"{len(files)} files; send at most {MAX_BATCH_FILES} "
                                      f"per batch")
-        images = [read_upload(f, f"files[{i}]") for i, f in enumerate(files)]
+        images = [read_upload(predictor, f, f"files[{i}]") for i, f in enumerate(files)]
         tops = predictor.predict(images, k)
         return {"results": [{"filename": f.filename, "top": top}
                             for f, top in zip(files, tops, strict=True)]}
@@ -157,13 +157,13 @@ def create_app(predictor: inference.Predictor, max_upload_bytes: int):
     return UploadLimit(app, max_upload_bytes)
 
 
-def read_upload(upload: UploadFile, field: str):
+def read_upload(predictor: inference.Predictor, upload: UploadFile, field: str):
     name = upload.filename or ""
     if is_path_like(name):
         raise HTTPException(400, f"{field}: the filename must be a plain file name, not a "
                                  f"path: {name[:100]!r}")
     try:
-        return inference.decode_image(upload.file.read())
+        return predictor.decode(upload.file.read())
     except inference.ImageError as error:
         raise HTTPException(400, f"{field} ({name[:100]}): {error}") from None
 

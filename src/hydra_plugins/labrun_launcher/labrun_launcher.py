@@ -1,0 +1,12 @@
+"""Hydra finds launchers only inside the `hydra_plugins` package: these names make labrun's
+launchers (src/labrun/launch/) visible to it. `cluster=...` picks one; see conf/cluster/."""
+
+from labrun.launch import local, slurm
+
+
+class LabrunLocalLauncher(local.LocalLauncher):
+    """cluster=local: the sweep's jobs as subprocesses, one per free GPU."""
+
+
+class LabrunSlurmLauncher(slurm.SlurmLauncher):
+    """cluster=lab / slurm_dev: a SLURM job array through submitit."""
