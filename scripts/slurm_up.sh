@@ -16,7 +16,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 STATE="${LABRUN_SLURM_STATE:-/tmp/labrun-slurm}"
 PARTITION=dev
-PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-client)
+PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-client rsync)
 # mariadbd listens on this unix socket only (--skip-networking); slurmdbd finds it via MYSQL_UNIX_PORT.
 DB_SOCKET="$STATE/mysql/mysqld.sock"
 T0=$(date +%s)

@@ -75,7 +75,7 @@ def test_onnx_export_passes_parity_on_validation_images(run_copy):
 def test_torchscript_export_passes_parity_on_validation_images(run_copy):
     result = run_labrun("export", str(run_copy), "--format", "torchscript")
     print(result.stdout)
-    assert "parity (torchscript): 32 validation images of digits/val" in result.stdout
+    assert "parity (torch.jit.trace): 32 validation images of digits/val" in result.stdout
 
     path = run_copy / "export" / "best.torchscript.pt"
     check_metadata(path, run_copy, "torchscript")

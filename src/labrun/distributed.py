@@ -86,6 +86,10 @@ def _master_port() -> str:
 def setup(trainer: DictConfig, backend: str = "auto", timeout_s: int = 1800) -> Distributed:
     rank, local_rank, world_size = _from_environment()
     device = pick_device(trainer.accelerator, local_rank)
+    if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: the processes of one node share its cores instead of each
+        # starting a thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, trainer.devices)))
     if world_size > 1 and not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", _master_address())
         os.environ.setdefault("MASTER_PORT", _master_port())
@@ -94,6 +98,24 @@ def setup(trainer: DictConfig, backend: str = "auto", timeout_s: int = 1800) -> 
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return Distributed(rank, local_rank, world_size, device)
+
+
+def launched_as_one_process(trainer: DictConfig) -> bool:
+    """True when `python train.py trainer.devices=N` must start its N processes itself
+    (no torchrun, SLURM or submitit set up the ranks)."""
+    return trainer.devices > 1 and _from_environment()[2] == 1
+
+
+def run_processes(nprocs: int, function, *args):
+    """Run `function(*args)` in `nprocs` local processes with torchrun's machinery
+    (torch.distributed.launcher: the same agent as the torchrun command); return rank 0's
+    result."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          monitor_interval=0.5, start_method="spawn")
+    return elastic_launch(config, function)(*args)[0]
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

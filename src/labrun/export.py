@@ -21,7 +21,7 @@ import json
 import os
 import platform
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 import labrun
 from labrun import inference, models
 from labrun.checkpoint import load as load_checkpoint
+from labrun.config import DatasetConfig
 from labrun.data.transforms import ValTransform, normalize_on_device
 from labrun.errors import LabrunError
 from labrun.inference import first_line
@@ -84,6 +85,26 @@ class Exported:
     metadata: dict[str, Any]
 
 
+@dataclass
+class Preprocessing:
+    """What a deployed model needs to see its input as validation showed it to the model."""
+
+    image_size: int
+    val_resize_ratio: float
+    mean: list[float]
+    std: list[float]
+    decoder: str  # how the run's loader decodes files; in-memory datasets: the default one
+
+    @classmethod
+    def from_dataset(cls, dataset: dict[str, Any]) -> Preprocessing:
+        default = DatasetConfig()  # the schema's defaults, for keys an old config lacks
+        augment = dataset.get("augment", {})
+        return cls(int(dataset.get("image_size", default.image_size)),
+                   float(augment.get("val_resize_ratio", default.augment.val_resize_ratio)),
+                   list(dataset.get("mean", default.mean)), list(dataset.get("std", default.std)),
+                   str(dataset.get("decoder", "turbojpeg")))
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole export, also used by `labrun serve RUN_DIR` and the serving benchmark
 
@@ -109,70 +130,32 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
     if out.resolve() == checkpoint.resolve():
         raise LabrunError(f"--out {out} is the checkpoint being exported; choose another path")
     out.parent.mkdir(parents=True, exist_ok=True)
-    if device is None:
-        device = "cuda" if fp16 else "cpu"
-    dtype = torch.float16 if fp16 else torch.float32
-
-    dataset = cfg.get("dataset", {})
-    size = int(dataset.get("image_size", 224))
-    mean, std = dataset.get("mean", [0.5] * 3), dataset.get("std", [0.5] * 3)
-    resize_ratio = float(dataset.get("augment", {}).get("val_resize_ratio", 0.875))
-    images, images_from = None, None
+    prep = Preprocessing.from_dataset(cfg.get("dataset", {}))
+    images = None
     if check_data is not None:
-        images, images_from = parity_images(dataset, size, resize_ratio, check_data)
-
-    # The exported copy is fp16 with --fp16; the eager reference stays fp32, the model trained.
-    reference = model.to(device)
-    to_export = copy.deepcopy(model).to(device=device, dtype=dtype)
-    example = torch.randn(2, 3, size, size, device=device, dtype=dtype)
-    tmp = out.with_name(f".{out.name}.tmp")
-    failures = []
-    for name in exporters(fmt, exporter):
-        try:
-            write_model(to_export, example, tmp, fmt, name, opset)
-            check = None
-            if images is not None:
-                check = parity(tmp, fmt, reference, images, mean, std, dtype, device)
-                check["images_from"] = images_from
-                if verbose:
-                    print_parity(check, name if fmt == "onnx" else "torchscript")
-                if not check["passed"]:
-                    raise LabrunError(f"parity check failed: max abs diff "
-                                      f"{check['max_abs_diff']:.2e} > {check['tolerance']:.2e} "
-                                      f"or top-1 differs on {check['top1_mismatches']} image(s)")
-            break
-        except Exception as error:  # noqa: BLE001 - any exporter failure moves to the next one
-            tmp.unlink(missing_ok=True)
-            failures.append(f"{name}: {first_line(error)}")
-            if verbose and len(failures) < len(exporters(fmt, exporter)):
-                print(f"{name} exporter failed ({failures[-1]}); trying the next one")
-    else:
-        raise LabrunError(f"could not export {checkpoint} to {fmt}: {'; '.join(failures)}")
-    os.replace(tmp, out)
+        images = parity_images(cfg.get("dataset", {}), prep, check_data)
+    dtype = torch.float16 if fp16 else torch.float32
+    used, check = write_checked(model, out, fmt, exporter, opset, dtype,
+                                device or ("cuda" if fp16 else "cpu"), prep, images, verbose)
 
     metadata = {
         "format": fmt,
         "model_file": out.name,
-        "dtype": "float16" if fp16 else "float32",
-        "input": {"name": "input", "shape": ["batch", 3, size, size], "layout": "NCHW",
-                  "values": "(uint8 / 255 - mean) / std"},
+        "dtype": str(dtype).removeprefix("torch."),
+        "input": {"name": "input", "shape": ["batch", 3, prep.image_size, prep.image_size],
+                  "layout": "NCHW", "values": "(uint8 / 255 - mean) / std"},
         "output": {"name": "logits", "shape": ["batch", len(class_names)]},
         "class_names": class_names,
         "num_classes": len(class_names),
-        "image_size": size,
-        "val_resize_ratio": resize_ratio,
-        # How the run's loader decodes files (in-memory datasets use the default pipeline's).
-        "decoder": dataset.get("decoder", "turbojpeg"),
-        "mean": list(mean),
-        "std": list(std),
-        "exporter": name if fmt == "onnx" else "torch.jit.trace",
+        **asdict(prep),
+        "exporter": used,
         "opset": opset if fmt == "onnx" else None,
         "parity": check,
         "source": {
             "run_dir": str(run_dir.resolve()) if run_dir else None,
             "checkpoint": str(checkpoint.resolve()),
             "checkpoint_sha256": sha256(checkpoint),
-            "model": cfg.get("model", {}).get("_target_"),
+            "model": cfg["model"].get("_target_"),
             "epoch": state.get("epoch"),
             "step": state.get("step"),
             "monitor": cfg.get("checkpoint", {}).get("monitor"),
@@ -185,11 +168,46 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
     write_json_atomic(inference.metadata_path(out), metadata)
     if verbose:
         source = metadata["source"]
-        size_mb = out.stat().st_size / 2**20
         print(f"exported {checkpoint} (epoch {source['epoch']}, step {source['step']}, "
-              f"{source['monitor']} {_fmt(source['best'])}) -> {out} "
-              f"({fmt}, {metadata['dtype']}, exporter {metadata['exporter']}, {size_mb:.1f} MB)")
+              f"{source['monitor']} {_fmt(source['best'])}) -> {out} ({fmt}, "
+              f"{metadata['dtype']}, {used}, {out.stat().st_size / 2**20:.1f} MB)")
     return Exported(out, metadata)
+
+
+def write_checked(model: torch.nn.Module, out: Path, fmt: str, exporter: str, opset: int,
+                  dtype: torch.dtype, device: str, prep: Preprocessing,
+                  images: tuple[torch.Tensor, str] | None, verbose: bool
+                  ) -> tuple[str, dict[str, Any] | None]:
+    """Write `out` with the first exporter whose file passes the parity check (when `images`
+    are given); returns (exporter name, parity figures). The file appears only when it passed.
+    """
+    # The exported copy is fp16 with --fp16; the eager reference stays fp32, the model trained.
+    reference = model.to(device)
+    to_export = copy.deepcopy(model).to(device=device, dtype=dtype)
+    example = torch.randn(2, 3, prep.image_size, prep.image_size, device=device, dtype=dtype)
+    tmp = out.with_name(f".{out.name}.tmp")
+    candidates = exporters(fmt, exporter)
+    failures = []
+    for name in candidates:
+        try:
+            write_model(to_export, example, tmp, fmt, name, opset)
+            check = None
+            if images is not None:
+                check = parity(tmp, fmt, reference, images, prep, dtype, device)
+                if verbose:
+                    print_parity(check, name)
+                if not check["passed"]:
+                    raise LabrunError(f"parity check failed: max abs diff "
+                                      f"{check['max_abs_diff']:.2e} > {check['tolerance']:.2e} "
+                                      f"or top-1 differs on {check['top1_mismatches']} image(s)")
+            os.replace(tmp, out)
+            return name, check
+        except Exception as error:  # noqa: BLE001 - any exporter failure moves to the next one
+            tmp.unlink(missing_ok=True)
+            failures.append(f"{name}: {first_line(error)}")
+            if verbose and len(failures) < len(candidates):
+                print(f"{name} exporter failed ({failures[-1]}); trying the next one")
+    raise LabrunError(f"could not export to {fmt}: {'; '.join(failures)}")
 
 
 def find_checkpoint(source: Path, which: str) -> tuple[Path, Path | None]:
@@ -250,7 +268,7 @@ def check_targets(node: Any, key: str) -> None:
 
 def exporters(fmt: str, choice: str) -> list[str]:
     if fmt == "torchscript":
-        return ["trace"]
+        return ["torch.jit.trace"]
     return ["dynamo", "legacy"] if choice == "auto" else [choice]
 
 
@@ -279,45 +297,48 @@ def write_model(model: torch.nn.Module, example: torch.Tensor, path: Path, fmt: 
 # Parity check
 
 
-def parity_images(dataset: dict[str, Any], size: int, resize_ratio: float, data: str
+def parity_images(dataset: dict[str, Any], prep: Preprocessing, data: str
                   ) -> tuple[torch.Tensor, str]:
-    """A uint8 NCHW batch of validation images, or random images when those cannot be read."""
+    """A uint8 NCHW batch of validation images, or random images when those cannot be read,
+    with a description of where they came from."""
     reason = "random input requested"
     if data == "val":
         try:
-            return validation_images(dataset, size, resize_ratio)
+            return validation_images(dataset, prep)
         except Exception as error:  # noqa: BLE001 - any data problem falls back to random input
             reason = f"validation images unavailable: {first_line(error)}"
     generator = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (PARITY_IMAGES, 3, size, size), dtype=torch.uint8,
-                           generator=generator)
+    images = torch.randint(0, 256, (PARITY_IMAGES, 3, prep.image_size, prep.image_size),
+                           dtype=torch.uint8, generator=generator)
     return images, f"{PARITY_IMAGES} random images ({reason})"
 
 
-def validation_images(dataset: dict[str, Any], size: int, resize_ratio: float
+def validation_images(dataset: dict[str, Any], prep: Preprocessing
                       ) -> tuple[torch.Tensor, str]:
+    """The val loader's view of some validation images: same source, decoder and transform."""
     from labrun import data
 
     cfg = OmegaConf.create(dataset)
     if "download" in cfg:
         cfg.download = False  # never reach for the network in an export
     source = data.build(cfg).splits["val"]
-    transform = ValTransform(size, resize_ratio)
+    transform = ValTransform(prep.image_size, prep.val_resize_ratio)
     # Spread over the split rather than its first images, which may all share one class.
     indices = np.unique(np.linspace(0, len(source) - 1, PARITY_IMAGES).round().astype(int))
-    images = torch.stack([transform(source.load(int(i), size)) for i in indices])
+    images = torch.stack([transform(source.load(int(i), prep.image_size)) for i in indices])
     return images, f"{len(indices)} validation images of {source.name}"
 
 
-def parity(path: Path, fmt: str, reference: torch.nn.Module, images: torch.Tensor,
-           mean: list[float], std: list[float], dtype: torch.dtype, device: str
-           ) -> dict[str, Any]:
+def parity(path: Path, fmt: str, reference: torch.nn.Module,
+           images: tuple[torch.Tensor, str], prep: Preprocessing, dtype: torch.dtype,
+           device: str) -> dict[str, Any]:
     """The exported file in its own runtime vs the eager fp32 model, on the whole batch and on
     a batch of one (which proves the batch axis is really dynamic)."""
+    batch, images_from = images
     runtime = (inference.onnx_runtime if fmt == "onnx" else inference.torchscript_runtime)(path)
-    mean_t = torch.tensor(mean, device=device).view(1, -1, 1, 1)
-    std_t = torch.tensor(std, device=device).view(1, -1, 1, 1)
-    x = normalize_on_device(images.to(device), mean_t, std_t, torch.float32)
+    mean = torch.tensor(prep.mean, device=device).view(1, -1, 1, 1)
+    std = torch.tensor(prep.std, device=device).view(1, -1, 1, 1)
+    x = normalize_on_device(batch.to(device), mean, std, torch.float32)
     with torch.inference_mode():
         eager = reference(x).float().cpu()
     x_exported = x.to(dtype).cpu().numpy()
@@ -330,15 +351,15 @@ def parity(path: Path, fmt: str, reference: torch.nn.Module, images: torch.Tenso
     margin = top2[:, 0] - top2[:, -1]
     differs = exported.argmax(1) != eager.argmax(1)
     mismatches = int((differs & (margin > 2 * tolerance)).sum())
-    return {"images": len(images), "batch_sizes": [len(images), 1],
+    return {"images": len(batch), "images_from": images_from, "batch_sizes": [len(batch), 1],
             "max_abs_diff": diff, "tolerance": tolerance,
             "top1_agree": int((~differs).sum()), "top1_mismatches": mismatches,
             "passed": diff <= tolerance and mismatches == 0}
 
 
-def print_parity(check: dict[str, Any], runtime_name: str) -> None:
+def print_parity(check: dict[str, Any], exporter: str) -> None:
     verdict = "ok" if check["passed"] else "FAILED"
-    print(f"parity ({runtime_name}): {check['images_from']}, batch sizes "
+    print(f"parity ({exporter}): {check['images_from']}, batch sizes "
           f"{check['batch_sizes'][0]} and 1: max abs diff {check['max_abs_diff']:.2e} "
           f"(tolerance {check['tolerance']:.2e}), top-1 agrees on "
           f"{check['top1_agree']}/{check['images']} -> {verdict}")

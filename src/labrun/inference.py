@@ -1,8 +1,10 @@
 """Load an exported model, preprocess images exactly as validation does, and predict.
 
-    predictor = load(MODEL)       MODEL: model.onnx | model.torchscript.pt (each with its
-                                  metadata JSON beside it), a run folder or a checkpoint
-    predictor.predict([image_uint8_HWC, ...], k=5) -> [[{"class", "index", "prob"}, ...], ...]
+    predictor, tmp = load(MODEL)      MODEL: model.onnx | model.torchscript.pt (each with its
+                                      metadata JSON beside it), or a run folder or checkpoint,
+                                      exported to ONNX in the temp folder `tmp` first
+    image = predictor.decode(jpeg_bytes)
+    predictor.predict([image, ...], k=5) -> [[{"class", "index", "prob"}, ...], ...]
 
 `labrun serve`, `labrun predict`, the parity check of `labrun export` and the serving benchmark
 all go through this module, so a served answer and an offline answer cannot drift apart.
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 
 from labrun.data import decode as data_decode
 from labrun.data.transforms import ValTransform, normalize_on_device
@@ -63,8 +66,6 @@ def decode_image(data: bytes, decoder: str = "turbojpeg", min_size: int | None =
     The size is read from the header first, so an oversized image is refused before any
     memory is taken for it.
     """
-    from PIL import Image, UnidentifiedImageError
-
     if not data:
         raise ImageError("empty file")
     try:

@@ -21,7 +21,7 @@ from labrun import config, data, distributed, models, provenance, tracking
 from labrun.checkpoint import CheckpointManager
 from labrun.checkpoint import load as load_checkpoint
 from labrun.errors import ConfigError
-from labrun.session import TrainingSession
+from labrun.session import RunInterrupted, TrainingSession
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 
@@ -34,14 +34,39 @@ RESUME_SAFE_KEYS = ("trainer.max_epochs", "trainer.progress", "trainer.log_every
 
 def train(cfg: DictConfig) -> float | None:
     config.validate(cfg)
+    launch = {"overrides": hydra_overrides(), "sweep": sweep_info()}
+    if distributed.launched_as_one_process(cfg.trainer):
+        # trainer.devices=N on one machine: N processes, started the way torchrun does.
+        resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        return distributed.run_processes(cfg.trainer.devices, train_process, resolved, launch)
+    return train_process(cfg, launch)
+
+
+def train_process(cfg: DictConfig, launch: dict[str, Any]) -> float | None:
+    """One rank's share of a run (the only one, without distributed training)."""
     dist = distributed.setup(cfg.trainer)
     try:
-        return _train(cfg, dist)
+        return _train(cfg, dist, launch)
+    except Exception as error:
+        # Rank 0 records its own failure in summary.json; a stop signal is no failure.
+        if not dist.is_main and not isinstance(error, RunInterrupted):
+            record_rank_failure(Path(cfg.paths.run_dir), dist.rank, error)
+        raise
     finally:
         distributed.cleanup()
 
 
-def _train(cfg: DictConfig, dist: distributed.Distributed) -> float | None:
+def record_rank_failure(run_dir: Path, rank: int, error: BaseException) -> None:
+    """errors/rank-N.txt: how a rank other than 0 failed, so a launcher can report it even when
+    the scheduler saw the job end well."""
+    folder = run_dir / "errors"
+    folder.mkdir(parents=True, exist_ok=True)
+    line = (str(error).strip().splitlines() or [""])[0]
+    (folder / f"rank-{rank}.txt").write_text(f"rank {rank}: {type(error).__name__}: {line}\n")
+
+
+def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any]
+           ) -> float | None:
     seed_everything(cfg.seed, cfg.trainer.deterministic, dist.device)
     run_dir = Path(cfg.paths.run_dir)
     dataset = data.build(cfg.dataset)
@@ -57,13 +82,13 @@ def _train(cfg: DictConfig, dist: distributed.Distributed) -> float | None:
         folder.truncate_after(resume["step"])
     recorded = {}
     if dist.is_main:
-        recorded = provenance.write(run_dir / "provenance", hydra_overrides(), PROJECT_DIR)
+        recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR)
     session = TrainingSession(cfg, dataset, model, folder=folder, checkpoints=checkpoints,
-                              dist=dist, run_info={"run_dir": str(run_dir), **recorded})
+                              dist=dist)
     # Built last, right before fit(), whose `finally` always closes it (wandb.finish()).
     tracker = tracking.build(cfg, run_dir, is_main=dist.is_main,
                              resume_id=resume.get("wandb_run_id") if resume else None,
-                             provenance=recorded, sweep=sweep_info())
+                             provenance=recorded, sweep=launch["sweep"])
     return session.fit(tracker, resume)
 
 

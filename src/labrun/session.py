@@ -68,13 +68,11 @@ class _Window:
 
 class TrainingSession:
     def __init__(self, cfg: DictConfig, data: Data, model: nn.Module, *, folder: RunFolder,
-                 checkpoints: CheckpointManager, dist: Distributed,
-                 run_info: dict[str, Any] | None = None):
+                 checkpoints: CheckpointManager, dist: Distributed):
         trainer = cfg.trainer
         self.cfg, self.data, self.folder = cfg, data, folder
         self.tracker: Tracker = NoTracker()
         self.checkpoints, self.dist, self.device = checkpoints, dist, dist.device
-        self.run_info = run_info or {}
         self.progress = ProgressReporter(trainer.progress, enabled=dist.is_main)
 
         # Batch sizes: batch_size is global; each process takes micro-batches and accumulates.
@@ -123,6 +121,7 @@ class TrainingSession:
         self.step = 0  # optimizer steps so far
         self.best: float | None = None
         self.stop_signal: int | None = None
+        self._requeue_handler = None
         self._eval_loaders: dict[str, Any] = {}
 
     # -- the loop ------------------------------------------------------------------------------
@@ -136,7 +135,7 @@ class TrainingSession:
             self.load_state_dict(resume)
             self.progress.message(f"resumed at epoch {self.epoch + 1}, step {self.step}")
         self.folder.update_summary(status="running", error=None, epoch=self.epoch, step=self.step,
-                                   monitor=monitor, **self.run_info)
+                                   monitor=monitor, started_at=time.time(), ended_at=None)
         restore_signals = self._catch_stop_signals()
         status, error = "failed", None
         try:
@@ -150,8 +149,8 @@ class TrainingSession:
                 self.test_best()
             status = "completed"
             return self.best
-        except RunInterrupted:
-            status = "interrupted"
+        except (RunInterrupted, SystemExit):
+            status = "interrupted"  # SystemExit: submitit requeued the job
             raise
         except BaseException as exc:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
@@ -161,7 +160,7 @@ class TrainingSession:
             restore_signals()
             self.progress.close()
             self.folder.update_summary(status=status, error=error, epoch=self.epoch,
-                                       step=self.step)
+                                       step=self.step, ended_at=time.time())
             self.tracker.finish(status, self.folder.summary)
 
     def train_epoch(self) -> None:
@@ -214,6 +213,8 @@ class TrainingSession:
                 loss = training_loss(self.net(images), labels) / accumulation
             self.scaler.scale(loss).backward()
             step_loss += loss.detach()
+        if self.dist.enabled:  # every rank must take the same decision below
+            step_loss = all_reduce_sum(step_loss) / self.dist.world_size
         if not self.scaler.is_enabled() and not torch.isfinite(step_loss).item():
             self.optimizer.zero_grad(set_to_none=True)
             self._non_finite_loss(step_loss.item())
@@ -333,18 +334,24 @@ class TrainingSession:
     # -- stop signals --------------------------------------------------------------------------
 
     def _catch_stop_signals(self):
-        """SIGTERM / SIGINT ask for a checkpoint at the next step boundary; a second SIGINT
-        aborts at once."""
+        """SIGTERM, SIGINT and SIGUSR2 (SLURM's warning before a time limit or a preemption)
+        ask for a checkpoint at the next step boundary; a second SIGINT aborts at once.
+
+        A USR2 handler that was already there (submitit's: it requeues the job) runs after
+        that checkpoint, so the requeued job resumes from it.
+        """
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT,
+                                                     signal.SIGUSR2)}
+        self._requeue_handler = previous[signal.SIGUSR2]
 
         def handler(signum, frame):
             if self.stop_signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self.stop_signal = signum
             self.progress.message(f"{signal.Signals(signum).name}: stopping after this step "
-                                  f"with a checkpoint (Ctrl-C again to abort)")
+                                  f"with a checkpoint")
 
         for s in previous:
             signal.signal(s, handler)
@@ -354,6 +361,10 @@ class TrainingSession:
         if self.stop_signal is None:
             return
         name = signal.Signals(self.stop_signal).name
+        if self.stop_signal == signal.SIGUSR2 and callable(self._requeue_handler):
+            self.progress.message(f"{name} at step {self.step}: checkpoint saved, requeueing")
+            self.folder.update_summary(status="interrupted", ended_at=time.time())
+            self._requeue_handler(self.stop_signal, None)  # submitit: requeue, then exit
         raise RunInterrupted(f"{name} at step {self.step}: checkpoint saved; resume with: "
                              f"labrun resume {self.folder.path}")
 

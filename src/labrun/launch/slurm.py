@@ -1,2 +1,250 @@
-"""placeholder until the SLURM launcher lands"""
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher  # noqa: F401
+"""cluster=lab / slurm_dev with -m: the sweep as one SLURM job array, through submitit.
+
+Built on hydra-submitit-launcher's SlurmLauncher, with what a lab needs on top:
+- every key is read from the `cluster` config (partition, qos, account, cpus, memory, time,
+  GPUs and tasks per node, array parallelism, retries, sbatch extras, environment);
+- a request that no node of the partition can ever satisfy fails at submission, in one line;
+- jobs run a snapshot of the code taken at submission (submitit's RsyncSnapshot), import labrun
+  from it, and get their config composed at submission with relative paths made absolute, so
+  editing the working tree while a sweep waits cannot mix versions;
+- the submitting process waits and prints one table built from every job's own result, or
+  returns at once with cluster.detach=true (`labrun status SWEEP_DIR` later); Ctrl-C cancels
+  the sweep's jobs;
+- jobs that already completed with the same config are not submitted again.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, run_job, setup_globals
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from labrun.errors import ConfigError, LabrunError
+from labrun.launch import sweep
+
+POLL_S = 2.0
+# Config keys holding paths that a job, running elsewhere, must see as absolute paths.
+PATH_KEYS = ("paths.data_dir", "paths.raw_dir", "paths.processed_dir", "paths.scratch_dir",
+             "dataset.root", "dataset.path", "model.init_from", "checkpoint.resume")
+
+
+class SlurmLauncher(BaseSubmititLauncher):
+    _EXECUTOR = "slurm"
+
+    # -- in the job ----------------------------------------------------------------------------
+
+    def __call__(self, config: DictConfig, singleton_state: dict[Any, Any]) -> JobReturn:
+        """Run one job of the array (every task of it, with tasks_per_node > 1)."""
+        import submitit
+
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        environment = submitit.JobEnvironment()
+        with open_dict(config.hydra):
+            config.hydra.job.id = environment.job_id
+            if environment.global_rank != 0:
+                config.hydra.output_subdir = None  # rank 0 alone writes .hydra/
+        return run_job(hydra_context=self.hydra_context, task_function=self.task_function,
+                       config=config, job_dir_key="hydra.sweep.dir",
+                       job_subdir_key="hydra.sweep.subdir")
+
+    # -- in the submitting process -------------------------------------------------------------
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+               ) -> Sequence[JobReturn]:
+        import submitit
+
+        cluster = self.config.cluster
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        jobs = sweep.plan(self.hydra_context, self.config, job_overrides, initial_job_idx)
+        todo = [job for job in jobs if job.state == "pending"]
+        if not todo:
+            return self._finish(jobs, sweep_dir)
+        check_resources(cluster)
+        for job in todo:
+            make_paths_absolute(job.config, sweep_dir)
+
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        folder = sweep_dir / ".submitit" / stamp / "%j"
+        executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
+                                         slurm_max_num_timeout=cluster.max_num_timeout)
+        snapshot = sweep_dir / ".code" / stamp if cluster.snapshot else None
+        executor.update_parameters(**executor_parameters(cluster, self.config, snapshot))
+        state = Singleton.get_state()
+        with code_snapshot(snapshot):
+            submitted = executor.map_array(self, [job.config for job in todo],
+                                           [state] * len(todo))
+        for job, handle in zip(todo, submitted, strict=True):
+            job.state, job.job_id, job.log = "submitted", handle.job_id, str(handle.paths.stdout)
+            print(f"job {job.num}: SLURM {handle.job_id}  log {handle.paths.stdout}", flush=True)
+        sweep.write_manifest(sweep_dir, "slurm", jobs, snapshot=str(snapshot or ""))
+        if cluster.detach:
+            print(f"detached: {len(todo)} jobs submitted; see their state with: "
+                  f"labrun status {sweep_dir}", flush=True)
+            return [sweep.job_return(job) if job.state == "skipped" else
+                    _detached_return(job) for job in jobs]
+        self._wait(todo, submitted)
+        return self._finish(jobs, sweep_dir)
+
+    def _wait(self, jobs: list[sweep.Job], handles: list[Any]) -> None:
+        try:
+            pending = dict(zip([j.num for j in jobs], handles, strict=True))
+            while pending:
+                for num, handle in list(pending.items()):
+                    if handle.done(force_check=True):
+                        del pending[num]
+                time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            ids = [h.job_id for h in handles]
+            print(f"interrupted: cancelling the sweep's {len(ids)} jobs ({', '.join(ids)})",
+                  file=sys.stderr, flush=True)
+            for handle in handles:
+                handle.cancel(check=False)
+            for job in jobs:
+                job.state = "cancelled"
+            raise
+        for job, handle in zip(jobs, handles, strict=True):
+            job.state = "running"  # ended; read_result() tells how, from the job's own files
+            job.error = failure_reason(handle)
+
+    def _finish(self, jobs: list[sweep.Job], sweep_dir: Path) -> list[JobReturn]:
+        for job in jobs:
+            sweep.read_result(job)
+        sweep.write_manifest(sweep_dir, "slurm", jobs)
+        sweep.print_table(jobs, f"sweep {sweep_dir}")
+        return [sweep.job_return(job) for job in jobs]
+
+
+def failure_reason(handle: Any) -> str | None:
+    """Why a finished submitit job failed, from its result file or else from SLURM."""
+    try:
+        result = handle.results()[0]
+    except Exception as error:  # noqa: BLE001 - no result: killed, cancelled, timed out
+        return f"SLURM state {handle.state}: {str(error).strip().splitlines()[-1][:200]}"
+    failure = getattr(result, "_return_value", None)
+    if isinstance(failure, BaseException):
+        return f"{type(failure).__name__}: {str(failure).strip()[:200]}"
+    return None
+
+
+def _detached_return(job: sweep.Job) -> JobReturn:
+    from hydra.core.utils import JobStatus
+
+    ret = JobReturn(overrides=job.overrides, cfg=job.config, working_dir=job.dir)
+    ret.status, ret.return_value = JobStatus.COMPLETED, None
+    return ret
+
+
+def executor_parameters(cluster: DictConfig, config: DictConfig, snapshot: Path | None
+                        ) -> dict[str, Any]:
+    """submitit's parameters from the readable keys of the cluster config."""
+    setup = [f"export {key}={shlex.quote(str(value))}" for key, value in cluster.env.items()]
+    if snapshot is not None:
+        # Import labrun from the snapshot, not from the editable install's working tree.
+        setup.append(f"export PYTHONPATH={shlex.quote(str(snapshot / 'src'))}"
+                     "${PYTHONPATH:+:$PYTHONPATH}")
+    params = {
+        "name": f"labrun-{config.hydra.job.name}",
+        "slurm_partition": cluster.partition,
+        "slurm_qos": cluster.qos,
+        "slurm_account": cluster.account,
+        "cpus_per_task": cluster.cpus_per_task,
+        "mem_gb": cluster.mem_gb,
+        "timeout_min": cluster.timeout_min,
+        "nodes": cluster.nodes,
+        "tasks_per_node": cluster.tasks_per_node,
+        "gpus_per_node": cluster.gpus_per_node,
+        "slurm_array_parallelism": cluster.array_parallelism,
+        "slurm_signal_delay_s": cluster.signal_delay_s,
+        "slurm_additional_parameters": dict(cluster.extra_sbatch),
+        "slurm_setup": setup,
+    }
+    return {key: value for key, value in params.items() if value not in (None, {}, [])}
+
+
+def make_paths_absolute(config: DictConfig, sweep_dir: Path) -> None:
+    """Resolve path keys now, against the submission's working directory."""
+    with open_dict(config):
+        config.hydra.sweep.dir = str(sweep_dir)
+        for key in PATH_KEYS:
+            value = OmegaConf.select(config, key, default=None, throw_on_missing=False)
+            if key == "checkpoint.resume" and value in ("auto", "never"):
+                continue
+            if isinstance(value, str) and value and not os.path.isabs(value):
+                OmegaConf.update(config, key, os.path.abspath(value), merge=False)
+
+
+class code_snapshot:  # noqa: N801 - used as a context manager, like submitit's own helper
+    """submitit's RsyncSnapshot of the git checkout (tracked files as they are now)."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+        self.inner = None
+
+    def __enter__(self):
+        if self.folder is not None:
+            from submitit.helpers import RsyncSnapshot
+
+            project = Path(__file__).resolve().parents[3]
+            if not (project / ".git").exists() or shutil.which("rsync") is None:
+                raise LabrunError("cluster.snapshot=true needs a git checkout and rsync "
+                                  "(apt-get install rsync); or set cluster.snapshot=false")
+            self.inner = RsyncSnapshot(self.folder, root_dir=project)
+            self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.inner is not None:
+            self.inner.__exit__(*exc)
+
+
+def partition_limits(partition: str | None) -> dict[str, int]:
+    """The largest node of `partition` (the default one when None): cpus, mem_mb, gpus."""
+    if shutil.which("sinfo") is None:
+        raise LabrunError("sinfo not found: this machine is not a SLURM submit host; "
+                          "use cluster=local, or submit from a login node")
+    args = ["sinfo", "-h", "-N", "-o", "%P|%c|%m|%G"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise LabrunError(f"sinfo failed: {out.stderr.strip()}; is the SLURM controller up?")
+    nodes: dict[str, list[tuple[int, int, int]]] = {}
+    default = None
+    for line in out.stdout.splitlines():
+        name, cpus, mem, gres = line.split("|")
+        if name.endswith("*"):
+            name = default = name[:-1]
+        gpus = sum(int(g.rsplit(":", 1)[-1].split("(")[0]) for g in gres.split(",")
+                   if g.startswith("gpu") and g.rsplit(":", 1)[-1].split("(")[0].isdigit())
+        nodes.setdefault(name, []).append((int(cpus), int(mem), gpus))
+    wanted = partition or default
+    if wanted not in nodes:
+        raise ConfigError(f"cluster.partition={wanted} does not exist; partitions: "
+                          f"{', '.join(sorted(nodes)) or 'none'}")
+    cpus, mem, gpus = (max(values) for values in zip(*nodes[wanted], strict=True))
+    return {"partition": wanted, "cpus": cpus, "mem_mb": mem, "gpus": gpus}
+
+
+def check_resources(cluster: DictConfig) -> None:
+    """Fail now, in one line, on a request that would pend forever."""
+    limits = partition_limits(cluster.partition)
+    offer = (f"partition {limits['partition']} offers at most {limits['cpus']} CPUs, "
+             f"{limits['mem_mb'] // 1024} GB and {limits['gpus']} GPUs per node")
+    cpus = cluster.cpus_per_task * cluster.tasks_per_node
+    if cpus > limits["cpus"]:
+        raise ConfigError(f"cluster.cpus_per_task x tasks_per_node = {cpus} CPUs per node: "
+                          f"{offer}")
+    if cluster.mem_gb and cluster.mem_gb * 1024 > limits["mem_mb"]:
+        raise ConfigError(f"cluster.mem_gb={cluster.mem_gb}: {offer}")
+    if cluster.gpus_per_node and cluster.gpus_per_node > limits["gpus"]:
+        raise ConfigError(f"cluster.gpus_per_node={cluster.gpus_per_node}: {offer}")

@@ -1,0 +1,166 @@
+"""Datasets, samplers and loaders.
+
+    build(cfg.dataset)  -> Data: one ImageSource per split (train, val, maybe test) + class names
+    Data.loader(split, ...)  -> a DataLoader of uint8 NCHW batches and int64 labels
+
+Samples are addressed as (epoch, index): the sampler, which lives in the main process, hands
+the epoch to the workers with every index, so each sample's augmentation randomness derives from
+(seed, epoch, index). That keeps runs reproducible with any number of workers, persistent or
+not, and lets a resumed run continue mid-epoch with exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from labrun.data.sources import ImageSource, hold_out
+from labrun.data.transforms import TrainTransform, ValTransform
+from labrun.errors import DataError
+
+
+def _load_sources(cfg: DictConfig) -> dict[str, ImageSource]:
+    name = cfg.name
+    if name == "digits":
+        from labrun.data import digits
+        return digits.load(cfg.image_size, cfg.val_fraction)
+    if name == "synthetic":
+        from labrun.data import synthetic
+        return synthetic.load(cfg.image_size, cfg.num_classes, cfg.num_train, cfg.num_val,
+                              cfg.num_test)
+    if name == "cifar10":
+        from labrun.data import cifar
+        return cifar.load(cfg.root, cfg.download, cfg.val_fraction)
+    if name == "imagefolder":
+        from labrun.data import imagefolder
+        return imagefolder.load(cfg.root, cfg.decoder)
+    if name == "hdf5":
+        from labrun.data import hdf5
+        return hdf5.load(cfg.path, cfg.decoder)
+    raise DataError(f"dataset.name={name} is unknown; use digits, synthetic, cifar10, "
+                    f"imagefolder or hdf5")
+
+
+@dataclass
+class Data:
+    splits: dict[str, ImageSource]
+    cfg: DictConfig
+
+    @property
+    def class_names(self) -> list[str]:
+        return self.splits["train"].class_names
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def transform(self, split: str) -> Callable:
+        if split == "train":
+            aug = self.cfg.augment
+            return TrainTransform(self.cfg.image_size, tuple(aug.crop_scale),
+                                  tuple(aug.crop_ratio), aug.hflip)
+        return ValTransform(self.cfg.image_size, self.cfg.augment.val_resize_ratio)
+
+    def loader(self, split: str, *, micro_batch_size: int, seed: int, rank: int = 0,
+               world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False
+               ) -> DataLoader:
+        """Train: shuffled per epoch, whole optimizer steps only. Eval: in order, every sample once."""
+        train = split == "train"
+        source = self.splits[split]
+        sampler = EpochSampler(len(source), seed, rank, world_size, shuffle=train,
+                               multiple=samples_per_step if train else 1, pad=train)
+        if train and len(sampler) == 0:
+            raise DataError(
+                f"{source.name} has {len(source)} samples, fewer than one optimizer step "
+                f"({samples_per_step * world_size}); lower trainer.batch_size")
+        workers = self.cfg.num_workers
+        # The loader's own generator: creating an iterator must not draw from the global RNG,
+        # or a resumed run (which creates its iterators at other times) would drift.
+        return DataLoader(ImageDataset(source, self.transform(split), seed, split),
+                          batch_size=micro_batch_size, sampler=sampler, num_workers=workers,
+                          persistent_workers=workers > 0, pin_memory=pin_memory,
+                          prefetch_factor=4 if workers > 0 else None,
+                          generator=torch.Generator().manual_seed(seed))
+
+
+def build(cfg: DictConfig) -> Data:
+    splits = _load_sources(cfg)
+    if "val" not in splits:
+        if cfg.val_fraction <= 0:
+            raise DataError(f"{splits['train'].name} has no val split; set dataset.val_fraction "
+                            f"(for example 0.1) to hold out part of train")
+        splits["train"], splits["val"] = hold_out(splits["train"], cfg.val_fraction)
+    for split, source in splits.items():
+        if len(source) == 0:
+            raise DataError(f"{source.name}: the {split} split is empty; add images to it")
+    return Data(splits, cfg)
+
+
+class ImageDataset(Dataset):
+    """(epoch, index) -> (uint8 CxHxW tensor, label), augmented with per-sample randomness."""
+
+    def __init__(self, source: ImageSource, transform: Callable, seed: int, split: str):
+        self.source, self.transform, self.seed, self.split = source, transform, seed, split
+        self.min_size = getattr(transform, "size", None)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key
+        rng = np.random.default_rng([self.seed, epoch, index])
+        try:
+            image = self.source.load(index, self.min_size)
+            return self.transform(image, rng), int(self.source.labels[index])
+        except DataError:
+            raise
+        except Exception as error:
+            raise DataError(f"{self.split} sample {index} ({self.source.describe(index)}) "
+                            f"could not be loaded: {error}") from error
+
+
+class EpochSampler(Sampler):
+    """Yields (epoch, index) keys; shuffled with a seed per epoch, sharded across ranks.
+
+    Like DistributedSampler, the shuffled order is padded by repetition so that every rank gets
+    the same number of samples (pad=True, for training); eval shards are not padded, so every
+    sample counts once. `multiple` trims each rank's share to whole optimizer steps, and
+    `set_epoch(epoch, start)` starts mid-epoch when a run resumes.
+    """
+
+    def __init__(self, size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, multiple: int = 1, pad: bool = True):
+        self.size, self.seed, self.rank, self.world_size = size, seed, rank, world_size
+        self.shuffle, self.multiple, self.pad = shuffle, multiple, pad
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def indices(self) -> list[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.size, generator=generator).tolist()
+        else:
+            order = list(range(self.size))
+        if self.pad and self.size % self.world_size:
+            total = math.ceil(self.size / self.world_size) * self.world_size
+            order = (order * math.ceil(total / self.size))[:total]
+        mine = order[self.rank::self.world_size]
+        return mine[:len(mine) // self.multiple * self.multiple]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for index in self.indices()[self.start:]:
+            yield self.epoch, index
+
+    def __len__(self) -> int:
+        return max(0, len(self.indices()) - self.start)
+
+    def steps_per_epoch(self) -> int:
+        return len(self.indices()) // self.multiple

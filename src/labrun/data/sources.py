@@ -1,0 +1,75 @@
+"""Image sources: indexable collections of (uint8 HxWx3 image, label) for one split.
+
+A source only knows how to fetch image i; augmentation and batching live in data/__init__.py.
+Every source has:
+    name         "digits/train", a file path... used in error messages
+    labels       int64 array, one per image
+    class_names  list of str
+    __len__()
+    load(i, min_size=None)   uint8 HxWx3 RGB; a decoder may return a smaller image (JPEG DCT
+                             scaling) as long as both sides stay >= min_size
+    describe(i)  where image i comes from, for error messages ("digits/train[12]", a file path)
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+
+class ImageSource(Protocol):
+    name: str
+    labels: np.ndarray
+    class_names: list[str]
+
+    def __len__(self) -> int: ...
+
+    def load(self, index: int, min_size: int | None = None) -> np.ndarray: ...
+
+    def describe(self, index: int) -> str: ...
+
+
+class ArraySource:
+    """Images already decoded in memory (digits, synthetic, CIFAR)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, name: str,
+                 class_names: list[str] | None = None):
+        self.images, self.labels, self.name = images, np.asarray(labels, dtype=np.int64), name
+        self.class_names = list(class_names or [str(c) for c in range(int(self.labels.max()) + 1)])
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def load(self, index: int, min_size: int | None = None) -> np.ndarray:
+        image = self.images[index]
+        return image if image.ndim == 3 else np.repeat(image[..., None], 3, axis=2)
+
+    def describe(self, index: int) -> str:
+        return f"{self.name}[{index}]"
+
+
+class SubsetSource:
+    """Some images of another source, for a val split held out of train."""
+
+    def __init__(self, source: ImageSource, indices: np.ndarray, name: str):
+        self.source, self.indices, self.name = source, np.asarray(indices), name
+        self.labels = source.labels[self.indices]
+        self.class_names = source.class_names
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def load(self, index: int, min_size: int | None = None) -> np.ndarray:
+        return self.source.load(int(self.indices[index]), min_size)
+
+    def describe(self, index: int) -> str:
+        return self.source.describe(int(self.indices[index]))
+
+
+def hold_out(train: ImageSource, fraction: float, seed: int = 0) -> tuple[SubsetSource, SubsetSource]:
+    """Split a seeded `fraction` of `train` off as val: (train, val)."""
+    order = np.random.default_rng(seed).permutation(len(train))
+    n_val = round(len(train) * fraction)
+    return (SubsetSource(train, np.sort(order[n_val:]), f"{train.name}[train part]"),
+            SubsetSource(train, np.sort(order[:n_val]), f"{train.name}[val part]"))

@@ -1,0 +1,140 @@
+"""Augmentations on uint8 HxWxC arrays, run in the DataLoader workers.
+
+Everything stays uint8 here; the session turns a batch into normalised floats on the device.
+Randomness comes from the `rng` argument, which the dataset derives from (seed, epoch, index),
+so a sample looks the same whichever worker loads it and after a resume.
+
+Both transforms pick the region they need first and resize only that region, in one pass that
+also turns HWC into CHW: torch's uint8 antialiased bilinear resize, the same kernel (and so the
+same pixels) as torchvision's RandomResizedCrop/Resize on tensors, with a SIMD path for
+channels-last uint8 that is several times faster than OpenCV's INTER_AREA.
+
+Crops are sampled in relative terms, so an image that the decoder returned at a reduced JPEG
+DCT scale gets the same crop distribution as at full size. `min_size` says how small the
+decoder may make the image without costing the output any detail.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def resize_region(image: np.ndarray, top: int, left: int, height: int, width: int,
+                  out_height: int, out_width: int) -> torch.Tensor:
+    """image[top:top+height, left:left+width] (uint8 HxWxC) resized to a uint8 CxHxW tensor."""
+    region = image[top:top + height, left:left + width]
+    if not region.flags.writeable:
+        region = region.copy()  # torch.from_numpy warns about read-only arrays
+    # HWC memory viewed as NCHW is channels-last: the layout the fast uint8 kernel wants.
+    chw = torch.from_numpy(region).permute(2, 0, 1)
+    if (height, width) == (out_height, out_width):
+        return chw.contiguous()
+    return F.interpolate(chw[None], size=(out_height, out_width), mode="bilinear",
+                         antialias=True, align_corners=False)[0].contiguous()
+
+
+def random_resized_crop_box(height: int, width: int, rng: np.random.Generator,
+                            scale: tuple[float, float], ratio: tuple[float, float]
+                            ) -> tuple[int, int, int, int]:
+    """(top, left, h, w) of a crop, sampled as torchvision's RandomResizedCrop does."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w
+    # Fallback: the largest centred crop within the ratio range.
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        h, w = height, round(height * ratio[1])
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def center_crop_box(height: int, width: int, size: int, resize_ratio: float
+                    ) -> tuple[int, int, int, int]:
+    """(top, left, h, w) of the region that "resize the short side to size / resize_ratio, then
+    centre-crop size x size" keeps, in the image's own pixels."""
+    side = min(height, width) * resize_ratio  # = size / (scale to the resized short side)
+    h, w = min(height, max(1, round(side))), min(width, max(1, round(side)))
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+@dataclass
+class TrainTransform:
+    """RandomResizedCrop to size x size, then a random horizontal flip."""
+
+    size: int
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: bool = True
+
+    @property
+    def min_size(self) -> int:
+        """The short side a decoder must keep so that even the smallest crop (scale[0] of the
+        area) still has size pixels across: a DCT-scaled decode then loses no detail."""
+        return math.ceil(self.size / math.sqrt(self.scale[0]))
+
+    def crop_box(self, height: int, width: int, rng: np.random.Generator):
+        return random_resized_crop_box(height, width, rng, self.scale, self.ratio)
+
+    def __call__(self, image: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
+        image = as_rgb(image)
+        top, left, h, w = self.crop_box(image.shape[0], image.shape[1], rng)
+        out = resize_region(image, top, left, h, w, self.size, self.size)
+        if self.hflip and rng.random() < 0.5:
+            out = out.flip(2)
+        return out
+
+
+@dataclass
+class ValTransform:
+    """Resize the short side to size / resize_ratio, then centre-crop size x size."""
+
+    size: int
+    resize_ratio: float = 0.875
+
+    @property
+    def min_size(self) -> int:
+        """The resized short side: a decoder may scale down to it at no cost in detail."""
+        return math.ceil(self.size / self.resize_ratio)
+
+    def __call__(self, image: np.ndarray, rng: np.random.Generator | None = None) -> torch.Tensor:
+        return center_crop(as_rgb(image), self.size, self.resize_ratio)
+
+
+def center_crop(image: np.ndarray, size: int, resize_ratio: float) -> torch.Tensor:
+    """uint8 HxWxC -> uint8 CxSxS: the ValTransform's resize and centre crop."""
+    top, left, h, w = center_crop_box(image.shape[0], image.shape[1], size, resize_ratio)
+    return resize_region(image, top, left, h, w, size, size)
+
+
+def as_rgb(image: np.ndarray) -> np.ndarray:
+    """HxW or HxWx1 grey -> HxWx3, so every model takes every image."""
+    if image.ndim == 2:
+        image = image[:, :, None]
+    return np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image
+
+
+def to_chw(image: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
+
+
+def normalize_on_device(batch: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 NCHW (already on the device) -> normalised floats.
+
+    `mean` and `std` are per-channel tensors on the device, in the 0..1 range of the config.
+    """
+    return batch.to(dtype).sub_(mean * 255).div_(std * 255)
