@@ -160,6 +160,7 @@ BAD_REQUESTS = {
         content=chunks(50 << 20, b'--b\r\nContent-Disposition: form-data; name="file"; '
                                  b'filename="big.jpg"\r\n\r\n'),
         headers={"content-type": "multipart/form-data; boundary=b"})),
+    "sliver image": (400, "sliver"),
     "wrong field name": (422, "wrong field"),
     "raw image body": (422, "raw body"),
     "path-like filename": (400, "../../etc/passwd"),
@@ -176,6 +177,10 @@ def test_bad_request_gets_4xx_json_and_server_stays_healthy(server, jpegs, case)
     url = f"{server}/predict"
     if request == "truncated":
         request = dict(files={"file": ("cut.jpg", jpeg[: len(jpeg) // 2])})
+    elif request == "sliver":  # 1 x 5000 px: resizing its short side to 32 px would explode
+        buffer = io.BytesIO()
+        Image.new("RGB", (5000, 1)).save(buffer, format="PNG")
+        request = dict(files={"file": ("sliver.png", buffer.getvalue())})
     elif request == "wrong field":
         request = dict(files={"image": ("a.jpg", jpeg)})
     elif request == "raw body":

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from labrun.errors import LabrunError
@@ -172,18 +173,23 @@ def parse_overrides(overrides: list[str]) -> dict[str, str]:
 
 
 def wall_time(run: Run, config_file: Path) -> float | None:
-    """Seconds from the start to the last logged point.
+    """Seconds from the run's start to its end, or to its last logged point while it runs.
 
-    The start is when Hydra wrote the config (the first logged point comes only after
-    log_every_n_steps steps), unless the folder was copied and that time is later.
+    The start is the earliest of: summary.json's started_at, when Hydra wrote the config, and
+    the first logged point (which comes only after log_every_n_steps steps). Taking the
+    earliest keeps a resumed run's first start, and a copied folder's later file times out.
     """
-    times = [row["time"] for row in run.history if isinstance(row.get("time"), int | float)]
-    if not times:
-        return None
-    start = min(times)
+    times = [row["time"] for row in run.history if _is_number(row.get("time"))]
+    starts = times[:1]
+    if _is_number(run.summary.get("started_at")):
+        starts.append(run.summary["started_at"])
     if config_file.is_file():
-        start = min(start, config_file.stat().st_mtime)
-    return max(times) - start
+        starts.append(config_file.stat().st_mtime)
+    ended = run.summary.get("ended_at")
+    end = ended if _is_number(ended) else max(times, default=None)
+    if end is None or not starts:
+        return None
+    return max(end - min(starts), 0.0)
 
 
 def name_runs(runs: list[Run]) -> None:
@@ -296,7 +302,7 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]], runs: lis
         view.add_column(column, justify="right" if numeric else "left", overflow="fold")
     status_at = columns.index("status")
     for row in rows:
-        cells = [fmt(value, column) for value, column in zip(row, columns, strict=True)]
+        cells = [escape(fmt(value, column)) for value, column in zip(row, columns, strict=True)]
         style = STATUS_STYLE.get(row[status_at], "dim")
         cells[status_at] = f"[{style}]{cells[status_at]}[/]"
         view.add_row(*cells)
@@ -360,7 +366,7 @@ def plot(path: Path, runs: list[Run], metric: str, mode: str, parameter: str | N
     panels = 2 if parameter else 1
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False, dpi=100)
     curves = axes[0][0]
-    for one in runs:
+    for one in _in_parameter_order(runs, parameter):
         points = [(row["step"], row[metric]) for row in one.history
                   if _is_number(row.get(metric)) and _is_number(row.get("step"))]
         if points:
@@ -391,6 +397,13 @@ def _plot_parameter(ax, runs: list[Run], metric: str, mode: str, parameter: str)
     ax.set(xlabel=parameter, ylabel=f"best {metric} ({mode})",
            title=f"best {metric} vs {parameter}")
     ax.grid(alpha=0.3)
+
+
+def _in_parameter_order(runs: list[Run], parameter: str | None) -> list[Run]:
+    """The legend reads in the order of the swept values (lr 0.001, 0.01, 0.1)."""
+    if not parameter:
+        return runs
+    return sorted(runs, key=lambda one: float(one.overrides.get(parameter, math.inf)))
 
 
 def _label(run: Run, parameter: str | None) -> str:

@@ -38,6 +38,9 @@ from labrun.errors import LabrunError
 # An upload may be a small file that decodes into a huge image (a "decompression bomb");
 # 50 megapixels covers any camera photo and bounds the memory one request can take (150 MB).
 MAX_IMAGE_PIXELS = 50_000_000
+# Validation resizes the short side to the model's size, so a 1 x 50,000 px sliver would grow
+# into gigabytes; no photo is anywhere near this elongated.
+MAX_ASPECT_RATIO = 20
 
 
 class ImageError(LabrunError):
@@ -78,6 +81,9 @@ def decode_image(data: bytes, decoder: str = "turbojpeg", min_size: int | None =
     if width * height > MAX_IMAGE_PIXELS:
         raise ImageError(f"image is {width}x{height}, more than "
                          f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels")
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise ImageError(f"image is {width}x{height}, more elongated than "
+                         f"{MAX_ASPECT_RATIO}:1")
     try:
         return data_decode.decode(data, decoder, min_size)
     except Exception as error:  # noqa: BLE001 - whatever a decoder raises, the upload is bad

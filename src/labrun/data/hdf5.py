@@ -55,7 +55,7 @@ def read_index(path: str | os.PathLike) -> FileIndex:
     if not Path(path).is_file():
         raise DataError(f"{path}: no such file; create it with `labrun convert SRC_DIR {path}`")
     try:
-        file = h5py.File(path, "r")
+        file = open_file(path)
     except OSError as error:
         reason = str(error).splitlines()[0].removeprefix("Unable to synchronously open file ")
         cut = re.search(r"truncated file: eof = (\d+).*stored_eof = (\d+)", reason)
@@ -68,6 +68,12 @@ def read_index(path: str | os.PathLike) -> FileIndex:
                         ) from error
     with file:
         return _check(path, file)
+
+
+def open_file(path: str) -> h5py.File:
+    # No HDF5 file locking: readers only, of a file `labrun convert` renames into place once
+    # complete, and locks fail on the NFS/Lustre mounts where lab datasets often live.
+    return h5py.File(path, "r", locking=False)
 
 
 def _check(path: str, file: h5py.File) -> FileIndex:
@@ -143,7 +149,7 @@ class HDF5Source:
     def read(self, index: int) -> np.ndarray:
         """Sample `index` as stored: encoded bytes (jpeg) or the flat pixels (raw)."""
         if self._pid != os.getpid():  # first read in this process, or a forked copy of a handle
-            self._file = h5py.File(self.path, "r")
+            self._file = open_file(self.path)
             self._data, self._pid = self._file[self.split]["data"], os.getpid()
         return self._data[self.offsets[index]:self.offsets[index + 1]]
 

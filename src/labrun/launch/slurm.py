@@ -15,7 +15,9 @@ Built on hydra-submitit-launcher's SlurmLauncher, with what a lab needs on top:
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -51,6 +53,9 @@ class SlurmLauncher(BaseSubmititLauncher):
         Singleton.set_state(singleton_state)
         setup_globals()
         environment = submitit.JobEnvironment()
+        # A requeued job gets the same (pickled) config, which the first run made read-only.
+        config = copy.deepcopy(config)
+        OmegaConf.set_readonly(config, False)
         with open_dict(config.hydra):
             config.hydra.job.id = environment.job_id
             if environment.global_rank != 0:
@@ -130,12 +135,22 @@ def failure_reason(handle: Any) -> str | None:
     """Why a finished submitit job failed, from its result file or else from SLURM."""
     try:
         result = handle.results()[0]
-    except Exception as error:  # noqa: BLE001 - no result: killed, cancelled, timed out
-        return f"SLURM state {handle.state}: {str(error).strip().splitlines()[-1][:200]}"
+    except Exception:  # noqa: BLE001 - no result: killed, cancelled, timed out
+        return f"SLURM state {handle.state}{last_exception(Path(handle.paths.stderr))}"
     failure = getattr(result, "_return_value", None)
     if isinstance(failure, BaseException):
         return f"{type(failure).__name__}: {str(failure).strip()[:200]}"
     return None
+
+
+def last_exception(stderr: Path) -> str:
+    """`: ValueError: ...`, the last exception line a job's stderr shows (or nothing)."""
+    if not stderr.is_file():
+        return ""
+    pattern = re.compile(r"^[\w.]+(Error|Exception|Interrupt): ")
+    lines = [line for line in stderr.read_text(errors="replace").splitlines()
+             if pattern.match(line)]
+    return f": {lines[-1][:200]}" if lines else ""
 
 
 def _detached_return(job: sweep.Job) -> JobReturn:

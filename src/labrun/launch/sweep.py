@@ -4,6 +4,7 @@ the final table, and jobs.json for `labrun status`."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,14 @@ def completed_with_same_config(job_dir: Path, cfg: DictConfig) -> bool:
     return OmegaConf.to_container(OmegaConf.load(saved), resolve=False) == current
 
 
+def read_summary(job_dir: Path) -> dict[str, Any]:
+    path = job_dir / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def read_result(job: Job) -> None:
     """Fill the job's state, metric and error from what the job itself wrote."""
-    summary_path = job.path / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = read_summary(job.path)
     monitor = summary.get("monitor", "val/acc")
     job.metric = summary.get(f"best/{monitor}")
     status = summary.get("status")
@@ -140,10 +145,12 @@ STYLE = {"completed": "green", "skipped": "green", "failed": "red", "interrupted
 
 
 def print_table(jobs: list[Job], title: str, console: Console | None = None) -> None:
-    console = console or Console()
+    # Not a terminal (a log file, CI): wide enough that paths stay on one line.
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
     table = Table(title=title, title_justify="left")
-    for column in ("job", "overrides", "state", "best", "id", "log / error"):
-        table.add_column(column, overflow="fold")
+    for column in ("job", "overrides", "state", "best", "id"):
+        table.add_column(column, no_wrap=column in ("state", "best", "id"))
+    table.add_column("log / error", overflow="fold")
     labels = varying_overrides(jobs)
     for job in jobs:
         state = "completed (earlier)" if job.state == "skipped" else job.state

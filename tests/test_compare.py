@@ -1,0 +1,127 @@
+"""`labrun compare` on a real 3-run sweep, plus planted failed and running runs: the table's
+order (via --csv), --markdown, and a PNG with both panels."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from conftest import FAST, PROJECT, PYTHON, run_labrun
+
+LRS = ("0.0003", "0.003", "0.03")  # spans 100x: the metric-vs-lr panel has a log x-axis
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    """A real sweep over optimizer.lr, three tiny jobs."""
+    sweep_dir = tmp_path_factory.mktemp("compare") / "sweep"
+    args = [PYTHON, str(PROJECT / "train.py"), "-m", *FAST, "trainer.max_epochs=1",
+            "trainer.limit_train_batches=3", f"optimizer.lr={','.join(LRS)}",
+            f"hydra.sweep.dir={sweep_dir}"]
+    result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return sweep_dir
+
+
+@pytest.fixture(scope="module")
+def planted(sweep, tmp_path_factory) -> Path:
+    """Two more jobs of the same sweep that did not complete: one failed before any metric,
+    one still running with a better val/acc than any completed run (it must still sort last)."""
+    folder = tmp_path_factory.mktemp("planted")
+    for name, lr, status, rows in [
+        ("failed", "0.3", "failed", []),
+        ("running", "0.1", "running",
+         [{"step": 3, "epoch": 1, "time": 1.0e9, "val/acc": 0.99, "val/loss": 0.01}]),
+    ]:
+        run_dir = folder / name
+        shutil.copytree(sweep / "0" / ".hydra", run_dir / ".hydra")
+        overrides = [o if not o.startswith("optimizer.lr=") else f"optimizer.lr={lr}"
+                     for o in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())]
+        (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        error = "RuntimeError: CUDA error: out of memory" if status == "failed" else None
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"status": status, "error": error, "epoch": len(rows), "monitor": "val/acc"}))
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_default_metric_sorts_best_first_and_unfinished_last(sweep, planted, tmp_path):
+    out = tmp_path / "table.csv"
+    result = run_labrun("compare", str(sweep), str(planted), "--csv", str(out))
+    rows = read_csv(out)
+    assert list(rows[0]) == ["run", "optimizer.lr", "status", "best val/acc", "final val/acc",
+                             "epochs", "time_s"]
+    assert [r["status"] for r in rows][:3] == ["completed"] * 3
+    assert sorted(r["status"] for r in rows[3:]) == ["failed", "running"]
+    best = [float(r["best val/acc"]) for r in rows[:3]]
+    assert best == sorted(best, reverse=True)  # checkpoint.mode=max from the runs' config
+    assert sorted(r["optimizer.lr"] for r in rows[:3]) == sorted(LRS)
+    assert all(int(r["epochs"]) == 1 and float(r["time_s"]) > 0 for r in rows[:3])
+    failed = next(r for r in rows if r["status"] == "failed")
+    assert failed["best val/acc"] == "" and failed["optimizer.lr"] == "0.3"
+    assert "sorted by best val/acc (max)" in result.stdout
+    assert "failed: RuntimeError: CUDA error: out of memory" in result.stdout
+
+
+@pytest.mark.parametrize("mode_args, descending", [(["--mode", "min"], False), ([], False),
+                                                    (["--mode", "max"], True)])
+def test_metric_and_mode_choose_the_order(sweep, tmp_path, mode_args, descending):
+    out = tmp_path / "table.csv"
+    run_labrun("compare", str(sweep), "--metric", "val/loss", *mode_args, "--csv", str(out))
+    losses = [float(r["best val/loss"]) for r in read_csv(out)]
+    assert len(losses) == 3 and losses == sorted(losses, reverse=descending)  # loss: min
+
+
+def test_markdown_holds_the_same_table(sweep, planted, tmp_path):
+    out, table = tmp_path / "table.md", tmp_path / "table.csv"
+    run_labrun("compare", str(sweep), str(planted), "--markdown", str(out), "--csv", str(table))
+    lines = [line for line in out.read_text().splitlines() if line.startswith("|")]
+    assert lines[0] == ("| run | optimizer.lr | status | best val/acc | final val/acc | epochs "
+                        "| time |")
+    assert set(lines[1].replace("|", "").split()) <= {"---", "---:"}
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    rows = read_csv(table)
+    assert [(c[0], c[2]) for c in cells] == [(r["run"], r["status"]) for r in rows]  # same order
+    assert {c[2] for c in cells[-2:]} == {"failed", "running"}
+
+
+def test_plot_has_curves_and_metric_vs_the_swept_parameter(sweep, tmp_path):
+    out = tmp_path / "sweep.png"
+    result = run_labrun("compare", str(sweep), "--plot", str(out))
+    assert "best val/acc vs optimizer.lr" in result.stdout
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size == (1200, 450)  # two 6x4.5-inch panels
+
+
+def test_plot_of_one_run_has_only_its_curves(sweep, tmp_path):
+    out = tmp_path / "run.png"
+    result = run_labrun("compare", str(sweep / "1"), "--plot", str(out), "--metric", "train/loss")
+    assert "vs" not in result.stdout.split("wrote")[-1]
+    with Image.open(out) as image:
+        assert image.size == (600, 450)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["{empty}"], "no run folders"),
+    (["{sweep}", "--metric", "val/acc55"], "val/acc5"),
+    (["{missing}"], "no such folder"),
+])
+def test_bad_input_is_one_line(sweep, tmp_path, args, expected):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    paths = {"empty": tmp_path / "empty", "sweep": sweep, "missing": tmp_path / "missing"}
+    result = run_labrun("compare", *[a.format(**paths) for a in args], check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
