@@ -1,0 +1,185 @@
+"""Sweeps on a real SLURM cluster (scripts/slurm_up.sh: one node, partition dev, slurmdbd
+accounting) through submitit: job arrays, DDP with two tasks, preemption and requeue,
+cancelling on Ctrl-C, detached submission, and requests no node can satisfy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, LABRUN, PROJECT, PYTHON, read_metrics, read_summary
+
+pytestmark = pytest.mark.slurm
+
+
+def cluster_is_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    out = subprocess.run(["sinfo", "-h", "-p", "dev", "-o", "%T"], capture_output=True,
+                         text=True, timeout=30)
+    return out.returncode == 0 and any(s in out.stdout for s in ("idle", "mix", "alloc"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def slurm():
+    if not cluster_is_up():
+        pytest.skip("no SLURM cluster: `make test` as root starts one (scripts/slurm_up.sh)")
+
+
+def sweep_args(sweep_dir: Path, *overrides: str) -> list[str]:
+    return [PYTHON, "train.py", "-m", "cluster=slurm_dev", *FAST, *overrides,
+            f"hydra.sweep.dir={sweep_dir}"]
+
+
+def run_sweep(sweep_dir: Path, *overrides: str, timeout: int = 300):
+    return subprocess.run(sweep_args(sweep_dir, *overrides), cwd=PROJECT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def manifest(sweep_dir: Path) -> dict:
+    return json.loads((sweep_dir / "jobs.json").read_text())
+
+
+def sacct_state(job_id: str) -> str:
+    for _ in range(30):  # accounting can lag a few seconds behind
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id],
+                             capture_output=True, text=True).stdout.split()
+        if out and out[0] not in ("PENDING", "RUNNING"):
+            return out[0]
+        time.sleep(1)
+    return out[0] if out else "UNKNOWN"
+
+
+def wait_for(path: Path, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def test_three_job_sweep_is_one_array_and_runs_the_snapshot(tmp_path):
+    result = run_sweep(tmp_path, "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+                       "optimizer.lr=0.001,0.003,0.01")
+    assert result.returncode == 0, result.stdout + result.stderr
+    ids = [job["job_id"] for job in manifest(tmp_path)["jobs"]]
+    array = {i.split("_")[0] for i in ids}
+    assert len(array) == 1 and sorted(i.split("_")[1] for i in ids) == ["0", "1", "2"]
+    for num in range(3):
+        run = tmp_path / str(num)
+        assert read_summary(run)["status"] == "completed"
+        assert {"metrics.jsonl", "summary.json", "checkpoints", "provenance", ".hydra"} <= {
+            p.name for p in run.iterdir()}
+        env = json.loads((run / "provenance" / "environment.json").read_text())
+        assert env["slurm"]["SLURM_ARRAY_JOB_ID"] == array.pop() if num == 0 else True
+        # The job imported labrun from the snapshot taken at submission, not the working tree.
+        assert env["labrun"].startswith(str(tmp_path / ".code"))
+    assert result.stdout.count("completed") >= 3
+
+
+def test_two_task_ddp_job_trains_and_only_rank_0_writes(tmp_path):
+    result = run_sweep(tmp_path, "trainer.devices=2", "trainer.max_epochs=1",
+                       "trainer.limit_train_batches=3", "+variant=ddp")
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = tmp_path / "0"
+    env = json.loads((run / "provenance" / "environment.json").read_text())
+    assert env["slurm"]["SLURM_NTASKS"] == "2"
+    assert read_summary(run)["status"] == "completed"
+    steps = [p["step"] for p in read_metrics(run) if "train/loss" in p]
+    assert steps == sorted(set(steps)) == [3]  # one writer: each point once
+    job_folder = Path(manifest(tmp_path)["jobs"][0]["log"]).parent
+    assert len(list(job_folder.glob("*_log.out"))) == 2  # both tasks ran
+    assert not (run / "errors").exists()
+
+
+INJECT_RANK_1_FAILURE = """
+import os
+if os.environ.get("SLURM_PROCID") == "1":
+    from labrun.session import TrainingSession
+    fit = TrainingSession.fit
+    def fit_then_fail(self, *args, **kwargs):
+        fit(self, *args, **kwargs)
+        raise RuntimeError("failure injected by the test on rank 1")
+    TrainingSession.fit = fit_then_fail
+"""
+
+
+def test_a_failure_on_rank_1_is_reported(tmp_path):
+    """Rank 1 raises after training, rank 0 completes: SLURM says COMPLETED, the sweep must
+    say failed. The fault is injected through a sitecustomize module on PYTHONPATH."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(INJECT_RANK_1_FAILURE)
+    import os
+
+    result = subprocess.run(
+        sweep_args(tmp_path / "sweep", "trainer.devices=2", "trainer.max_epochs=1",
+                   "trainer.limit_train_batches=3", "+variant=rank1fails"),
+        cwd=PROJECT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(inject)})
+    job_id = manifest(tmp_path / "sweep")["jobs"][0]["job_id"]
+    assert sacct_state(job_id) == "COMPLETED"
+    assert result.returncode != 0
+    assert "rank 1: RuntimeError: failure injected by the test on rank 1" in result.stdout
+    assert read_summary(tmp_path / "sweep" / "0")["status"] == "completed"  # rank 0's view
+
+
+def test_preempted_job_requeues_and_ends_with_identical_weights(tmp_path):
+    overrides = ["trainer.max_epochs=3", "trainer.deterministic=true",
+                 "checkpoint.every_n_steps=5", "+variant=plain,preempted"]
+    proc = subprocess.Popen(sweep_args(tmp_path, *overrides), cwd=PROJECT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(tmp_path / "1" / "checkpoints" / "step-00000010.pt")
+    job_id = manifest(tmp_path)["jobs"][1]["job_id"]
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    log = Path(manifest(tmp_path)["jobs"][1]["log"]).read_text()
+    assert "SIGUSR2" in log and "resuming from" in log  # it was requeued, then resumed
+    plain = torch.load(tmp_path / "0/checkpoints/last.pt", weights_only=True)["model"]
+    preempted = torch.load(tmp_path / "1/checkpoints/last.pt", weights_only=True)["model"]
+    assert all(torch.equal(plain[k], preempted[k]) for k in plain)
+    steps = [p["step"] for p in read_metrics(tmp_path / "1") if "train/loss" in p]
+    assert len(steps) == len(set(steps))
+
+
+def test_ctrl_c_cancels_the_sweeps_jobs(tmp_path):
+    proc = subprocess.Popen(sweep_args(tmp_path, "trainer.max_epochs=50", "optimizer.lr=0.1,0.2"),
+                            cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    wait_for(tmp_path / "jobs.json")
+    wait_for(tmp_path / "0" / "summary.json")  # running
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert "cancelling the sweep's 2 jobs" in output
+    for job in manifest(tmp_path)["jobs"]:
+        assert sacct_state(job["job_id"]).startswith("CANCELLED")
+
+
+def test_detached_sweep_returns_at_once_and_status_follows_it(tmp_path):
+    started = time.time()
+    result = run_sweep(tmp_path, "cluster.detach=true", "trainer.max_epochs=1",
+                       "trainer.limit_train_batches=3", "optimizer.lr=0.1,0.2")
+    assert result.returncode == 0, result.stderr
+    assert f"labrun status {tmp_path}" in result.stdout
+    assert time.time() - started < 60
+    for job in manifest(tmp_path)["jobs"]:
+        sacct_state(job["job_id"])  # waits until the job has ended
+    status = subprocess.run([LABRUN, "status", str(tmp_path)], capture_output=True, text=True)
+    assert status.returncode == 0
+    assert status.stdout.count("completed") == 2, status.stdout
+
+
+def test_a_request_no_node_can_satisfy_fails_at_submission(tmp_path):
+    result = run_sweep(tmp_path, "cluster.cpus_per_task=64", "optimizer.lr=0.1,0.2")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: cluster.cpus_per_task x tasks_per_node = 64 CPUs")
+    assert "partition dev offers at most" in lines[-1]
+    assert not (tmp_path / "jobs.json").exists()
