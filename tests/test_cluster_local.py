@@ -34,7 +34,7 @@ def test_four_jobs_two_at_a_time_on_distinct_gpus(tmp_path):
         env = json.loads((tmp_path / str(num) / "provenance" / "environment.json").read_text())
         assert summary["status"] == "completed"
         jobs.append((summary["started_at"], summary["ended_at"], env["cuda_visible_devices"]))
-    for start, end, gpus in jobs:
+    for start, end, _ in jobs:
         overlapping = [j for j in jobs if j[0] < end and j[1] > start]  # includes itself
         assert len(overlapping) <= 2, "more than max_parallel jobs ran at once"
         assert len({j[2] for j in overlapping}) == len(overlapping), "two jobs shared a GPU"
@@ -78,3 +78,33 @@ def test_more_devices_than_gpus_is_refused_at_once(tmp_path, devices):
                    "cluster.gpu_ids=[0,1]")
     assert result.returncode == 2
     assert "trainer.devices=8 but only 2 GPUs" in result.stderr
+
+
+def test_an_interrupted_optuna_search_continues_its_study(tmp_path):
+    import os
+    import signal
+    import time
+
+    import optuna
+
+    args = [PYTHON, "train.py", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3",
+            *FAST, *TINY, f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.Popen(args, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 300
+    while not (tmp_path / "2" / "summary.json").exists():  # trials 0 and 1 are done
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C during trial 2
+    proc.communicate(timeout=120)
+
+    result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "continuing study train: 2 trials finished, 1 to go" in result.stdout
+    study = optuna.load_study(study_name="train", storage=f"sqlite:///{tmp_path}/optuna.db")
+    states = [t.state for t in study.trials]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 3
+    assert study.trials[2].state == optuna.trial.TrialState.FAIL  # the one cut off...
+    assert study.trials[3].params == study.trials[2].params  # ...was tried again
+    assert read_summary(tmp_path / "3")["status"] == "completed"
+    assert read_summary(tmp_path / "2")["status"] == "interrupted"

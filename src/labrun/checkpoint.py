@@ -42,6 +42,8 @@ def load(path: str | Path) -> dict[str, Any]:
         reason = str(error).strip().splitlines()[0][:200]
         if "weights_only" in str(error) or "Unsupported global" in str(error):
             reason = "it holds pickled objects that could run code, refused (weights_only)"
+        elif reason.isdigit():  # what torch says of a file that is no pickle at all
+            reason = "not a PyTorch checkpoint file"
         raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from error
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path}: not a labrun checkpoint (no 'model' entry)")

@@ -135,7 +135,8 @@ class TrainingSession:
             self.load_state_dict(resume)
             self.progress.message(f"resumed at epoch {self.epoch + 1}, step {self.step}")
         self.folder.update_summary(status="running", error=None, epoch=self.epoch, step=self.step,
-                                   monitor=monitor, started_at=time.time(), ended_at=None)
+                                   monitor=monitor, ended_at=None,
+                                   started_at=self.folder.summary.get("started_at") or time.time())
         restore_signals = self._catch_stop_signals()
         status, error = "failed", None
         try:

@@ -52,7 +52,9 @@ class RunFolder:
         self.enabled = enabled
         self.metrics_path = self.path / "metrics.jsonl"
         self.summary_path = self.path / "summary.json"
-        self.summary: dict[str, Any] = {}
+        # A resumed run keeps what its summary already says (when it first started, say).
+        self.summary: dict[str, Any] = (json.loads(self.summary_path.read_text())
+                                        if self.summary_path.is_file() else {})
         if enabled:
             self.path.mkdir(parents=True, exist_ok=True)
 

@@ -1,7 +1,7 @@
 """Hydra finds launchers only inside the `hydra_plugins` package: these names make labrun's
 launchers (src/labrun/launch/) visible to it. `cluster=...` picks one; see conf/cluster/."""
 
-from labrun.launch import local, slurm
+from labrun.launch import local, search, slurm
 
 
 class LabrunLocalLauncher(local.LocalLauncher):
@@ -10,3 +10,7 @@ class LabrunLocalLauncher(local.LocalLauncher):
 
 class LabrunSlurmLauncher(slurm.SlurmLauncher):
     """cluster=lab / slurm_dev: a SLURM job array through submitit."""
+
+
+class LabrunOptunaSweeper(search.ResumableOptunaSweeper):
+    """hparams_search=optuna: an Optuna study that a re-run continues."""

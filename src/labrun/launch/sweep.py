@@ -117,9 +117,14 @@ def job_return(job: Job, hydra_context_task_name: str = "train") -> JobReturn:
 
 
 def write_manifest(sweep_dir: Path, backend: str, jobs: list[Job], **extra: Any) -> None:
+    """jobs.json: every job of the sweep so far (a search launches its trials in batches)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{k: v for k, v in asdict(job).items() if k != "config"} for job in jobs]
-    data = {"backend": backend, "jobs": rows, **extra}
+    path = sweep_dir / MANIFEST
+    rows = {row["num"]: row for row in
+            (json.loads(path.read_text())["jobs"] if path.is_file() else [])}
+    rows.update({job.num: {k: v for k, v in asdict(job).items() if k != "config"}
+                 for job in jobs})
+    data = {"backend": backend, "jobs": [rows[num] for num in sorted(rows)], **extra}
     (sweep_dir / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -135,7 +140,8 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
 def varying_overrides(jobs: list[Job]) -> dict[int, str]:
     """Per job, only the overrides that differ between the sweep's jobs."""
     lists = [filter_overrides(job.overrides) for job in jobs]
-    common = set.intersection(*(set(o) for o in lists)) if lists else set()
+    # One job alone (a search launches trials one by one): show all of its overrides.
+    common = set.intersection(*(set(o) for o in lists)) if len(lists) > 1 else set()
     return {job.num: " ".join(o for o in overrides if o not in common) or "(defaults)"
             for job, overrides in zip(jobs, lists, strict=True)}
 
