@@ -59,3 +59,31 @@ def digits_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("digits_run") / "run"
     run_train("trainer.max_epochs=3", "dataset.num_workers=2", run_dir=run_dir)
     return run_dir
+
+
+# A deterministic run used as the reference for every resume and fault test: three short
+# epochs of 22 steps, a checkpoint every 5 steps, 2 data workers.
+DETERMINISTIC = ["trainer.max_epochs=3", "trainer.deterministic=true",
+                 "checkpoint.every_n_steps=5", "dataset.num_workers=2"]
+
+
+def final_weights(run_dir: Path) -> dict:
+    import torch
+
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+@pytest.fixture(scope="session")
+def reference_weights(tmp_path_factory) -> dict:
+    """Final weights of an uninterrupted DETERMINISTIC run."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    run_train(*DETERMINISTIC, run_dir=run_dir)
+    return final_weights(run_dir)

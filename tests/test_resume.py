@@ -9,24 +9,20 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import FAST, PROJECT, PYTHON, read_metrics, read_summary, run_train
+from conftest import (
+    DETERMINISTIC,
+    FAST,
+    PROJECT,
+    PYTHON,
+    assert_identical,
+    final_weights,
+    read_metrics,
+    read_summary,
+    run_train,
+)
 
-# Three short epochs of 22 steps, a checkpoint every 5 steps, 2 data workers.
-RUN = ["trainer.max_epochs=3", "trainer.deterministic=true", "checkpoint.every_n_steps=5",
-       "dataset.num_workers=2"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
-    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run_train(*RUN, run_dir=run_dir)
-    return final_weights(run_dir)
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+RUN = DETERMINISTIC
 
 
 def start(run_dir: Path) -> subprocess.Popen:
@@ -43,15 +39,9 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
-def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs"
-
-
 @pytest.mark.parametrize("kill_after", ["step-00000022.pt", "step-00000035.pt"],
                          ids=["after-epoch-1", "mid-epoch-2"])
-def test_killed_run_resumes_to_identical_weights(tmp_path, uninterrupted, kill_after):
+def test_killed_run_resumes_to_identical_weights(tmp_path, reference_weights, kill_after):
     run_dir = tmp_path / "run"
     proc = start(run_dir)
     wait_for(run_dir / "checkpoints" / kill_after, proc)
@@ -61,12 +51,12 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, uninterrupted, kill_a
     result = run_train(*RUN, run_dir=run_dir)  # checkpoint.resume=auto is the default
     assert "resuming from" in result.stdout
     assert read_summary(run_dir)["status"] == "completed"
-    assert_identical(final_weights(run_dir), uninterrupted)
+    assert_identical(final_weights(run_dir), reference_weights)
     steps = [p["step"] for p in read_metrics(run_dir) if "train/loss" in p]
     assert len(steps) == len(set(steps)), "a resumed run logged some steps twice"
 
 
-def test_sigterm_saves_at_the_next_step_and_resume_command_finishes(tmp_path, uninterrupted):
+def test_sigterm_saves_at_the_next_step_and_resume_command_finishes(tmp_path, reference_weights):
     run_dir = tmp_path / "run"
     proc = start(run_dir)
     wait_for(run_dir / "checkpoints" / "step-00000010.pt", proc)
@@ -79,7 +69,7 @@ def test_sigterm_saves_at_the_next_step_and_resume_command_finishes(tmp_path, un
     from conftest import run_labrun
     run_labrun("resume", str(run_dir))
     assert read_summary(run_dir)["status"] == "completed"
-    assert_identical(final_weights(run_dir), uninterrupted)
+    assert_identical(final_weights(run_dir), reference_weights)
 
 
 def test_resume_refuses_a_changed_config(tmp_path):

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import optuna
 from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
 
-FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+# optuna is imported inside the methods: Hydra imports this module on every start-up, and
+# importing optuna costs over a second.
 
 
 class ResumableOptunaSweeper(OptunaSweeper):
     def sweep(self, arguments: list[str]) -> None:
+        import optuna
+
+        finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
         impl = self.sweeper
         if impl.storage:
             Path(str(impl.sweep_dir)).mkdir(parents=True, exist_ok=True)
             study = self._existing_study(impl.storage, impl.study_name)
             if study is not None:
-                finished = [t for t in study.trials if t.state in FINISHED]
+                finished = [t for t in study.trials if t.state in finished_states]
                 impl.job_idx = len(study.trials)  # job N runs trial N
                 for trial in study.trials:
                     if trial.state == optuna.trial.TrialState.RUNNING:  # cut off last time
@@ -37,7 +40,9 @@ class ResumableOptunaSweeper(OptunaSweeper):
         return super().sweep(arguments)
 
     @staticmethod
-    def _existing_study(storage: str, name: str) -> optuna.Study | None:
+    def _existing_study(storage: str, name: str):
+        import optuna
+
         try:
             return optuna.load_study(study_name=name, storage=storage)
         except KeyError:  # no study of that name yet
