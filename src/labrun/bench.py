@@ -1,10 +1,11 @@
 """`labrun bench <name>`: benchmarks that print side-by-side figures and ratios.
 
     labrun bench data [--root DIR] [--images N] [--json FILE]
+    labrun bench trainer | startup | serve      (src/labrun/bench_trainer.py, bench_serve.py)
     labrun bench all                  every benchmark with its defaults (`make bench`)
 
-Each benchmark is one `configure_<name>(parser)` + `run_<name>(args)` pair registered in
-BENCHES, so `serve` and `trainer` can join without touching the others.
+Each benchmark is a configure(parser) + run(args) pair, named in BENCHES by module and
+function, so a new one joins with one line and without touching the others.
 
 `data` compares, on the same JPEGs, the same train transform (RandomResizedCrop 224 + flip,
 normalised floats at the end), batch size and worker count, in one run:
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -43,20 +45,29 @@ TARGETS = {"speedup": 3.0, "of_ceiling": 0.75}  # required, stretch
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for name, (configure_bench, _, help_text) in BENCHES.items():
-        configure_bench(sub.add_parser(name, help=help_text, description=help_text))
+    for name, (_, _, help_text) in BENCHES.items():
+        _bench(name)[0](sub.add_parser(name, help=help_text, description=help_text))
     sub.add_parser("all", help="every benchmark above, with its defaults (what `make bench` runs)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench != "all":
-        return BENCHES[args.bench][1](args)
+        return _bench(args.bench)[1](args)
     worst = 0
-    for configure_bench, run_bench, _ in BENCHES.values():
+    for name in BENCHES:
+        configure_bench, run_bench = _bench(name)
         defaults = argparse.ArgumentParser()
         configure_bench(defaults)
-        worst = max(worst, run_bench(defaults.parse_args([])))
+        print(f"== labrun bench {name}", flush=True)
+        worst = max(worst, run_bench(defaults.parse_args([])) or 0)
     return worst
+
+
+def _bench(name: str) -> tuple[Callable, Callable]:
+    """(configure, run) of benchmark `name`, importing its module only now."""
+    module_name, prefix, _ = BENCHES[name]
+    module = importlib.import_module(module_name)
+    return getattr(module, f"configure{prefix}"), getattr(module, f"run{prefix}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +320,14 @@ def photo_like(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
     return np.clip(image + grain, 0, 255).astype(np.uint8)
 
 
-BENCHES: dict[str, tuple[Callable, Callable, str]] = {
-    "data": (configure_data, run_data,
+# name -> (module, suffix of its configure<suffix>/run<suffix> functions, one-line help)
+BENCHES: dict[str, tuple[str, str, str]] = {
+    "data": ("labrun.bench", "_data",
              "data loading: torchvision baseline vs labrun imagefolder and hdf5 vs decode ceiling"),
+    "trainer": ("labrun.bench_trainer", "_trainer",
+                "TrainingSession vs a bare PyTorch loop on the same batches"),
+    "startup": ("labrun.bench_trainer", "_startup",
+                "python train.py to its first step vs importing torch"),
+    "serve": ("labrun.bench_serve", "",
+              "POST /predict through `labrun serve` vs the bare runtime"),
 }

@@ -63,6 +63,13 @@ class PathsConfig:
 
 
 @dataclass
+class DistributedConfig:
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on the CPU
+    bucket_cap_mb: int = 25  # DDP's gradient bucket size
+    timeout_s: int = 1800  # how long a collective waits for the other ranks
+
+
+@dataclass
 class TrainConfig:
     seed: int = 0
     dataset: Any = MISSING
@@ -75,6 +82,7 @@ class TrainConfig:
     paths: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,8 +311,9 @@ CHOICES = {
     "precision.name": ("fp32", "bf16", "fp16"),
     "logger.name": ("wandb", "tensorboard", "csv", "none"),
     "logger.mode": ("auto", "online", "offline", "disabled"),
+    "distributed.backend": ("auto", "nccl", "gloo"),
 }
-POSITIVE = ("trainer.max_epochs", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
+POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
             "dataset.image_size", "optimizer.lr", "trainer.log_every_n_steps")
 NON_NEGATIVE = ("optimizer.weight_decay", "trainer.grad_clip", "checkpoint.keep_last",
                 "checkpoint.every_n_steps", "dataset.num_workers", "schedule.warmup_epochs")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
-from labrun.errors import LabrunError
+from labrun.errors import LabrunError, one_line
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -73,7 +73,7 @@ def run_hydra_app(main: Callable[[], object]) -> None:
 def user_error_message(error: BaseException) -> str | None:
     """One line for a mistake in the config or the input; None for a bug (show the traceback)."""
     if isinstance(error, LabrunError):
-        return str(error)
+        return one_line(error)
     if isinstance(error, MissingConfigException):
         return _missing_option(error)
     if isinstance(error, ConfigCompositionException):

@@ -14,3 +14,15 @@ class ConfigError(LabrunError):
 
 class DataError(LabrunError):
     """A data file or folder that cannot be read; the message names the file and the fix."""
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of an error's message.
+
+    An exception raised in a DataLoader worker is re-raised in the main process with the
+    worker's traceback as its message; its own message is that traceback's last line.
+    """
+    text = str(error).strip()
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        text = text.splitlines()[-1].split(": ", 1)[-1]
+    return text.splitlines()[0] if text else type(error).__name__

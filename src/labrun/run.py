@@ -44,7 +44,7 @@ def train(cfg: DictConfig) -> float | None:
 
 def train_process(cfg: DictConfig, launch: dict[str, Any]) -> float | None:
     """One rank's share of a run (the only one, without distributed training)."""
-    dist = distributed.setup(cfg.trainer)
+    dist = distributed.setup(cfg.trainer, cfg.distributed)
     try:
         return _train(cfg, dist, launch)
     except Exception as error:

@@ -34,7 +34,7 @@ from labrun.classification import eval_metrics, eval_sums, training_loss
 from labrun.data import Data
 from labrun.data.transforms import normalize_on_device
 from labrun.distributed import Distributed, all_reduce_sum
-from labrun.errors import LabrunError
+from labrun.errors import LabrunError, one_line
 from labrun.models import unwrap
 from labrun.progress import ProgressReporter
 from labrun.tracking import NoTracker, RunFolder, Tracker
@@ -86,10 +86,9 @@ class TrainingSession:
         self.model = self.model.to(memory_format=self.memory_format)
         self.net: nn.Module = self.model
         if dist.enabled:
-            dist_cfg = cfg.get("distributed") or {}
             self.net = DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                bucket_cap_mb=dist_cfg.get("bucket_cap_mb", 25))
+                bucket_cap_mb=cfg.distributed.bucket_cap_mb)
         if trainer.compile:
             self.net = torch.compile(self.net)
 
@@ -440,6 +439,5 @@ def _cpu_autocast_supports(dtype: torch.dtype) -> bool:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+    return f"{type(exc).__name__}: {one_line(exc)}"[:500]
 

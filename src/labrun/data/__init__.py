@@ -107,7 +107,8 @@ class ImageDataset(Dataset):
 
     def __init__(self, source: ImageSource, transform: Callable, seed: int, split: str):
         self.source, self.transform, self.seed, self.split = source, transform, seed, split
-        self.min_size = getattr(transform, "size", None)
+        # How small a JPEG may be decoded (DCT scaling) without losing detail the transform uses.
+        self.min_size = getattr(transform, "min_size", getattr(transform, "size", None))
 
     def __len__(self) -> int:
         return len(self.source)
