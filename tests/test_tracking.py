@@ -132,3 +132,24 @@ def test_provenance_records_a_patch_when_the_tree_is_dirty(tmp_path, monkeypatch
     (repo / "model.py").write_text("width = 32\n")
     assert provenance.write(tmp_path / "clean", [], repo)["git_dirty"] is False
     assert not (tmp_path / "clean" / "git.diff").exists()
+
+
+def test_rerun_prints_the_command_and_warns_about_differences(digits_run, tmp_path):
+    import shutil
+
+    from conftest import run_labrun
+
+    copy = tmp_path / "run"
+    shutil.copytree(digits_run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    packages = copy / "provenance" / "packages.txt"
+    packages.write_text(packages.read_text().replace("torch==", "torch==0.0.1-was-"))
+    result = run_labrun("rerun", str(copy))
+    assert "packages differ" in result.stderr and "torch" in result.stderr
+    command = result.stdout.strip()
+    assert command.split()[1].endswith("train.py") and "trainer.max_epochs=3" in command
+    assert "hydra.run.dir" not in command  # a new folder, from scratch
+
+    run_labrun("rerun", str(copy), "trainer.limit_train_batches=1", "trainer.max_epochs=1",
+               "logger=csv", "dataset.num_workers=0", f"hydra.run.dir={tmp_path / 'again'}",
+               "--exec")
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["status"] == "completed"

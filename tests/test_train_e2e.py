@@ -106,3 +106,17 @@ def test_test_split_is_evaluated_with_the_best_checkpoint(tmp_path):
     assert summary["status"] == "completed"
     # The synthetic classes differ by colour: the best checkpoint separates them well.
     assert 0.5 < summary["test/acc"] <= 1 and "test/loss" in summary
+
+
+def test_init_from_loads_weights_only(digits_run, tmp_path):
+    best = digits_run / "checkpoints" / "best.pt"
+    result = run_train(f"model.init_from={best}", "trainer.max_epochs=1",
+                       "trainer.limit_train_batches=1", "optimizer.lr=1e-6",
+                       run_dir=tmp_path / "finetune")
+    summary = read_summary(tmp_path / "finetune")
+    assert "resuming" not in result.stdout  # weights only: a new run, step 1
+    assert summary["step"] == 1
+    # Started from trained weights, it is as good as the run it came from after one tiny step.
+    assert summary["val/acc"] > 0.5
+    from_scratch = read_summary(digits_run)["val/acc"]
+    assert abs(summary["val/acc"] - from_scratch) < 0.1

@@ -73,6 +73,10 @@ def decode_pil(data: bytes | np.ndarray) -> np.ndarray:
 def decode_turbojpeg(data: bytes | np.ndarray, min_size: int | None = None) -> np.ndarray:
     from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_RGB
 
+    if bytes(data[-2:]) != b"\xff\xd9":
+        # No end-of-image marker: cut short. Pillow raises on it; TurboJPEG would only warn,
+        # and catching that warning below is not thread-safe (serve decodes in threads).
+        return decode_pil(data)
     turbo = _turbojpeg()
     try:
         with warnings.catch_warnings():
