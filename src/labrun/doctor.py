@@ -362,8 +362,9 @@ def check_wandb() -> Check:
         return Check("wandb", OK, f"WANDB_MODE={mode}: runs stay local (wandb sync later)")
     if os.environ.get("WANDB_API_KEY"):
         return Check("wandb", OK, "logged in (WANDB_API_KEY is set)")
-    host = (os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1]
-            .split("/")[0].split(":")[0])
+    from labrun.tracking import wandb_host
+
+    host = wandb_host()
     netrc_path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     if netrc_path.is_file():
         import netrc

@@ -195,13 +195,19 @@ class WandbTracker:
         self.run = None
 
 
+def wandb_host() -> str:
+    """The W&B server's host name, as ~/.netrc names it."""
+    url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    return url.split("://")[-1].split("/")[0].split(":")[0]
+
+
 def wandb_logged_in() -> bool:
     """An API key in the environment or in ~/.netrc, where `wandb login` puts it."""
     if os.environ.get("WANDB_API_KEY"):
         return True
     import netrc
 
-    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1].split("/")[0]
+    host = wandb_host()
     try:
         return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
