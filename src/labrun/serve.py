@@ -195,7 +195,10 @@ class UploadLimit:
 
     A declared Content-Length over the limit is refused before any byte is read; a body without
     one (chunked) is counted as it streams and cut off at the limit. Whatever the app then
-    answers about the body it could not finish reading is replaced by the 413.
+    answers about the body it could not finish reading is replaced by the 413. An answer sent
+    before the app read the body to its end (a 422 for a raw image body, say) closes the
+    connection: uvicorn would otherwise read and discard the rest to keep it alive, a chunked
+    body without end included.
     """
 
     def __init__(self, app, max_bytes: int):
@@ -205,14 +208,16 @@ class UploadLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self.refuse(send)
             return
+        unread = b"transfer-encoding" in headers or declared not in (None, b"0")  # a body
         received, over, answered = 0, False, False
 
         async def limited_receive():
-            nonlocal received, over
+            nonlocal received, over, unread
             if over:
                 return {"type": "http.disconnect"}
             message = await receive()
@@ -221,6 +226,7 @@ class UploadLimit:
                 if received > self.max_bytes:
                     over = True
                     return {"type": "http.disconnect"}
+                unread = message.get("more_body", False)
             return message
 
         async def guarded_send(message) -> None:
@@ -230,7 +236,11 @@ class UploadLimit:
                     answered = True
                     await self.refuse(send)
                 return
-            answered = answered or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                answered = True
+                if unread:  # answered before the body was read to its end: close, don't drain
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"connection", b"close")]}
             await send(message)
 
         try:

@@ -466,7 +466,11 @@ def test_many_slow_uploads_leave_the_server_responsive(server, jpeg, fault):
         health.append((status, time.monotonic() - t0))
         if predicted_during is None and time.monotonic() - started > 5:
             t0 = time.monotonic()
-            predicted_during = (server.predict(jpeg) == expected, time.monotonic() - t0)
+            try:
+                matched = server.predict(jpeg) == expected
+            except (AssertionError, httpx.HTTPError):
+                matched = False
+            predicted_during = (matched, time.monotonic() - t0)
         time.sleep(0.25)
     for client in clients:
         client.join(timeout=15)
@@ -482,8 +486,8 @@ def test_many_slow_uploads_leave_the_server_responsive(server, jpeg, fault):
     full = len(slow_request(0))
     answered = sum(1 for r in results if r and r[0] == 400 and r[1] and r[2] == full)
     errors = sorted({str(r[1]).split(": ", 1)[-1] for r in results if r})
-    worst = max(latency for _, latency in health)
-    all_up = all(status == 200 for status, _ in health)
+    worst = max((latency for _, latency in health), default=0)
+    all_up = bool(health) and all(status == 200 for status, _ in health)
     record.trial(answered == SLOW_CLIENTS,
                  note=f"{SLOW_CLIENTS} clients x {SLOW_BYTES >> 20} MB in "
                       f"{SLOW_PIECE >> 10} KiB pieces every {SLOW_PAUSE} s: {attack_s:.1f} s; "
@@ -549,8 +553,10 @@ def test_chunked_body_over_the_limit_is_cut_off(server, jpeg, fault):
         server.assert_healthy()
         drained = client.sent >= CHUNKED_TOTAL
         grew = peak - rss.samples[0]
-        status_ok = status == 413 if label == "multipart file" else \
-            status is not None and 400 <= status < 500
+        if label == "multipart file":
+            status_ok = status == 413 and f"{LIMIT_MB} MB limit" in (error or "")
+        else:  # what the app says about a body it never reads, with the connection closed
+            status_ok = status is not None and 400 <= status < 500
         ok = status_ok and error is not None and closed and not drained and grew < 25
         then = ("read all 50 MB, keeping the connection open" if drained else
                 f"closed the connection at {client.sent / 2**20:.1f} MB "
