@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from labrun.errors import one_line
+
 OK, WARNING, FAILED = "ok", "warning", "failed"
 PROJECT_DIR = Path(__file__).resolve().parents[2]  # src layout: the repository root
 LOW_DISK_GIB, MIN_DISK_GIB = 10, 1
@@ -86,7 +88,7 @@ def guarded(name: str, step: Callable[[], Check | list[Check]]) -> Check | list[
         return step()
     except Exception as error:  # noqa: BLE001 - a crashing check is a failed check
         return Check(name, FAILED, f"the check itself crashed: {type(error).__name__}: "
-                                   f"{_first_line(error)}", "run with a debugger; report it")
+                                   f"{one_line(error)}", "run with a debugger; report it")
 
 
 def print_table(checks: list[Check]) -> None:
@@ -173,7 +175,7 @@ def check_cuda() -> Check:
         available = torch.cuda.is_available()
     driver = driver_version()
     if not available:
-        why = f": {_first_line(caught[0].message)}" if caught else ""
+        why = f": {one_line(caught[0].message)}" if caught else ""
         return Check("cuda", WARNING, f"no GPU (torch built for CUDA {torch.version.cuda}, "
                                       f"driver {driver or 'not found'}){why}", NO_GPU_FIX)
     return Check("cuda", OK, f"CUDA {torch.version.cuda} (torch), driver {driver or 'unknown'}, "
@@ -230,7 +232,7 @@ def check_one_gpu(index: int) -> Check:
         seconds = time.perf_counter() - start
         torch.testing.assert_close(back, host, rtol=0, atol=0)
     except Exception as error:  # noqa: BLE001 - any failure here means a broken GPU
-        return Check(name, FAILED, f"{about}: {_first_line(error)}",
+        return Check(name, FAILED, f"{about}: {one_line(error)}",
                      "this GPU computes wrongly or is unreachable: drain it, check nvidia-smi -q "
                      "and dmesg, tell the admins")
     bandwidth = 2 * host.numel() * 4 / seconds / 1e9
@@ -326,7 +328,7 @@ def check_turbojpeg() -> Check:
         from turbojpeg import TurboJPEG
         jpeg = TurboJPEG()
     except Exception as error:  # noqa: BLE001 - import or library load, both mean "missing"
-        return Check("turbojpeg", WARNING, f"libturbojpeg does not load: {_first_line(error)}",
+        return Check("turbojpeg", WARNING, f"libturbojpeg does not load: {one_line(error)}",
                      fix)
     image = np.tile(np.arange(64, dtype=np.uint8)[:, None, None] * 4, (1, 64, 3))
     decoded = jpeg.decode(jpeg.encode(image, quality=95))
@@ -372,7 +374,7 @@ def check_wandb() -> Check:
             if netrc.netrc(netrc_path).authenticators(host):
                 return Check("wandb", OK, f"logged in to {host} ({netrc_path})")
         except (netrc.NetrcParseError, OSError) as error:
-            return Check("wandb", WARNING, f"{netrc_path} unreadable: {_first_line(error)}",
+            return Check("wandb", WARNING, f"{netrc_path} unreadable: {one_line(error)}",
                          "fix the file's syntax/permissions, or run: wandb login")
     return Check("wandb", WARNING, f"not logged in to {host}: logger=wandb runs offline",
                  "wandb login (or export WANDB_MODE=offline to make offline explicit)")
@@ -399,7 +401,7 @@ def check_slurm(partition: str | None, partition_from: str) -> list[Check]:
     except subprocess.TimeoutExpired:
         out = None
     if out is None or out.returncode != 0:
-        why = "timed out" if out is None else _first_line(out.stderr or out.stdout or "error")
+        why = "timed out" if out is None else one_line(out.stderr or out.stdout or "error")
         result = [Check("slurm", severity, f"sinfo failed: {why}",
                         "is slurmctld up? (scripts/slurm_up.sh for the dev cluster); "
                         "check /etc/slurm/slurm.conf and munge")]
@@ -487,7 +489,7 @@ def load_project_context(partition: str | None) -> dict:
     try:
         cfg = compose_config(conf, lab=(conf / "cluster" / "lab.yaml").is_file())
     except Exception as error:  # noqa: BLE001 - a broken config must not stop the doctor
-        context["partition_from"] = f"conf/ does not compose: {_first_line(error)}"
+        context["partition_from"] = f"conf/ does not compose: {one_line(error)}"
         return context
     from omegaconf import OmegaConf
 
@@ -511,8 +513,3 @@ def compose_config(conf: Path, lab: bool):
     with initialize_config_dir(str(conf.resolve()), version_base="1.3"):
         return compose("train", overrides=["cluster=lab"] if lab else [],
                        return_hydra_config=True)
-
-
-def _first_line(error: object) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__

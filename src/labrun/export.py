@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import os
 import platform
 import warnings
@@ -35,8 +34,8 @@ from labrun import inference, models
 from labrun.checkpoint import load as load_checkpoint
 from labrun.config import DatasetConfig
 from labrun.data.transforms import ValTransform, normalize_on_device
-from labrun.errors import LabrunError
-from labrun.inference import first_line
+from labrun.errors import LabrunError, one_line
+from labrun.tracking import write_json_atomic
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}
 DEFAULT_OPSET = 18  # the dynamo exporter's minimum; run by onnxruntime >= 1.14 and TensorRT 8.6+
@@ -204,7 +203,7 @@ def write_checked(model: torch.nn.Module, out: Path, fmt: str, exporter: str, op
             return name, check
         except Exception as error:  # noqa: BLE001 - any exporter failure moves to the next one
             tmp.unlink(missing_ok=True)
-            failures.append(f"{name}: {first_line(error)}")
+            failures.append(f"{name}: {one_line(error)}")
             if verbose and len(failures) < len(candidates):
                 print(f"{name} exporter failed ({failures[-1]}); trying the next one")
     raise LabrunError(f"could not export to {fmt}: {'; '.join(failures)}")
@@ -240,7 +239,7 @@ def build_model(cfg: dict[str, Any], class_names: list[str], weights: dict[str, 
         model.load_state_dict(weights)
     except RuntimeError as error:
         raise LabrunError(f"{checkpoint}: the weights do not fit the model its config builds "
-                          f"({first_line(error)})") from None
+                          f"({one_line(error)})") from None
     return model.eval()
 
 
@@ -306,7 +305,7 @@ def parity_images(dataset: dict[str, Any], prep: Preprocessing, data: str
         try:
             return validation_images(dataset, prep)
         except Exception as error:  # noqa: BLE001 - any data problem falls back to random input
-            reason = f"validation images unavailable: {first_line(error)}"
+            reason = f"validation images unavailable: {one_line(error)}"
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (PARITY_IMAGES, 3, prep.image_size, prep.image_size),
                            dtype=torch.uint8, generator=generator)
@@ -383,12 +382,6 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _fmt(value: Any) -> str:

@@ -33,7 +33,7 @@ from PIL import Image, UnidentifiedImageError
 
 from labrun.data import decode as data_decode
 from labrun.data.transforms import ValTransform, normalize_on_device
-from labrun.errors import LabrunError
+from labrun.errors import LabrunError, one_line
 
 # An upload may be a small file that decodes into a huge image (a "decompression bomb");
 # 50 megapixels covers any camera photo and bounds the memory one request can take (150 MB).
@@ -77,7 +77,7 @@ def decode_image(data: bytes, decoder: str = "turbojpeg", min_size: int | None =
     except UnidentifiedImageError:
         raise ImageError("not an image (unknown or unsupported format)") from None
     except Exception as error:  # noqa: BLE001 - any header that Pillow cannot parse
-        raise ImageError(f"corrupt image header ({first_line(error)})") from None
+        raise ImageError(f"corrupt image header ({one_line(error)})") from None
     if width * height > MAX_IMAGE_PIXELS:
         raise ImageError(f"image is {width}x{height}, more than "
                          f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels")
@@ -87,7 +87,7 @@ def decode_image(data: bytes, decoder: str = "turbojpeg", min_size: int | None =
     try:
         return data_decode.decode(data, decoder, min_size)
     except Exception as error:  # noqa: BLE001 - whatever a decoder raises, the upload is bad
-        raise ImageError(f"corrupt or truncated image ({first_line(error)})") from None
+        raise ImageError(f"corrupt or truncated image ({one_line(error)})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def onnx_runtime(path: Path, threads: int | None = None) -> Callable[[np.ndarray
     try:
         session = ort.InferenceSession(str(path), options, providers=providers)
     except Exception as error:  # onnxruntime raises its own untyped errors for bad files
-        raise LabrunError(f"{path}: onnxruntime cannot load it ({first_line(error)}); "
+        raise LabrunError(f"{path}: onnxruntime cannot load it ({one_line(error)}); "
                           f"re-export it with `labrun export RUN_DIR --format onnx`") from None
     input_name = session.get_inputs()[0].name
 
@@ -130,7 +130,7 @@ def torchscript_runtime(path: Path, threads: int | None = None
             warnings.simplefilter("ignore", FutureWarning)
             module = torch.jit.load(str(path), map_location=device).eval()
     except Exception as error:
-        raise LabrunError(f"{path}: not a TorchScript model ({first_line(error)}); "
+        raise LabrunError(f"{path}: not a TorchScript model ({one_line(error)}); "
                           f"re-export it with `labrun export RUN_DIR --format torchscript`"
                           ) from None
 
@@ -140,11 +140,6 @@ def torchscript_runtime(path: Path, threads: int | None = None
         return logits.float().cpu().numpy()
 
     return run
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +208,7 @@ def read_metadata(model_path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise LabrunError(f"{path}: unreadable metadata ({first_line(error)}); "
+        raise LabrunError(f"{path}: unreadable metadata ({one_line(error)}); "
                           f"export the model again") from None
     missing = [key for key in ("format", "class_names", "image_size", "val_resize_ratio",
                                "mean", "std") if key not in meta]

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
+from labrun.errors import one_line
+
 
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
@@ -168,7 +170,7 @@ class WandbTracker:
                 # labrun prints its own progress; W&B's banners would only repeat it.
                 settings=wandb.Settings(silent=True))
         except Exception as error:  # noqa: BLE001 - any W&B failure must not stop training
-            _warn(f"W&B could not start ({_first_line(error)}); continuing with local metrics")
+            _warn(f"W&B could not start ({one_line(error)}); continuing with local metrics")
             return
         self.run_id = self.run.id
         if mode == "offline":
@@ -181,7 +183,7 @@ class WandbTracker:
         try:
             self.run.log(metrics, step=step)
         except Exception as error:  # noqa: BLE001
-            _warn(f"W&B logging failed ({_first_line(error)}); continuing with local metrics")
+            _warn(f"W&B logging failed ({one_line(error)}); continuing with local metrics")
             self.run = None
 
     def finish(self, status: str, summary: dict[str, Any]) -> None:
@@ -191,7 +193,7 @@ class WandbTracker:
             self.run.summary.update({k: v for k, v in summary.items() if v is not None})
             self.run.finish(exit_code=0 if status == "completed" else 1)
         except Exception as error:  # noqa: BLE001
-            _warn(f"W&B finish failed ({_first_line(error)})")
+            _warn(f"W&B finish failed ({one_line(error)})")
         self.run = None
 
 
@@ -218,11 +220,6 @@ def wandb_mode(mode: str) -> str:
     if mode == "auto":
         return "online" if wandb_logged_in() else "offline"
     return mode
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def _warn(message: str) -> None:
