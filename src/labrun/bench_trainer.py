@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import torchvision
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -104,10 +105,7 @@ def run_trainer(args: argparse.Namespace) -> int:
     batches = _batches(args, torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as tmp:
         session = _session(args, Path(tmp))
-        import torchvision
-
-        bare = torchvision.models.get_model(args.model, num_classes=10)  # by hand
-
+        bare = torchvision.models.get_model(args.model, num_classes=10)  # the same, by hand
         mean, std = session.mean, session.std
         session.train_loader = _InMemoryLoader(batches)
         session.steps_per_epoch = len(batches)

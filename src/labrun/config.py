@@ -280,7 +280,7 @@ def register() -> None:
     store = ConfigStore.instance()
     for path, node in SCHEMAS.items():
         group, _, name = path.rpartition("/")
-        store.store(group=f"schema/{group}".rstrip("/"), name=name or path, node=node)
+        store.store(group=f"schema/{group}".rstrip("/"), name=name, node=node)
     # The launchers behind `cluster=`: their settings are read from the cluster config.
     store.store(group="hydra/launcher", name="labrun_local",
                 node={"_target_": PLUGIN + "LabrunLocalLauncher"})
