@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 
 from labrun.errors import LabrunError
@@ -44,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"labrun {name}", description=COMMANDS[name][1])
-    module.configure(parser, name) if _takes_name(module.configure) else module.configure(parser)
+    # resume and rerun share one module, which needs to know which of the two it is.
+    if len(inspect.signature(module.configure).parameters) == 2:
+        module.configure(parser, name)
+    else:
+        module.configure(parser)
     args = parser.parse_args(rest)
     args.command = name
     try:
@@ -55,10 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-def _takes_name(function) -> bool:
-    return function.__code__.co_argcount >= 2
 
 
 if __name__ == "__main__":

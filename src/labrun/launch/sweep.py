@@ -103,10 +103,10 @@ def last_error_line(log: str | None) -> str | None:
     return errors[-1][len("error: "):] if errors else None
 
 
-def job_return(job: Job, hydra_context_task_name: str = "train") -> JobReturn:
+def job_return(job: Job) -> JobReturn:
     """The JobReturn Hydra's sweepers expect: the objective, or the failure."""
     ret = JobReturn(overrides=job.overrides, cfg=job.config, working_dir=job.dir,
-                    task_name=hydra_context_task_name)
+                    task_name="train")
     if job.state in ("completed", "skipped"):
         ret.status, ret.return_value = JobStatus.COMPLETED, job.metric
     else:
