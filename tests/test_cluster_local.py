@@ -108,3 +108,11 @@ def test_an_interrupted_optuna_search_continues_its_study(tmp_path):
     assert study.trials[3].params == study.trials[2].params  # ...was tried again
     assert read_summary(tmp_path / "3")["status"] == "completed"
     assert read_summary(tmp_path / "2")["status"] == "interrupted"
+
+
+def test_a_user_error_in_two_local_processes_is_one_line(tmp_path):
+    result = run_train("trainer.devices=2", "dataset=synthetic", "dataset.num_train=4",
+                       run_dir=tmp_path / "run", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert "fewer than one optimizer step" in lines[-1] and "Traceback" not in result.stderr

@@ -95,8 +95,11 @@ def composed(tmp_path):
         yield lambda *o: compose("train", overrides=[f"paths.run_dir={tmp_path}/run", *o])
 
 
-def test_out_of_memory_halves_the_micro_batch(composed, tmp_path, monkeypatch):
-    """A CUDA out-of-memory error is injected (no GPU here): batches above 8 images fail."""
+@pytest.mark.parametrize("batch, limit, expected", [(32, 8, 8), (100, 12, 10)])
+def test_out_of_memory_halves_the_micro_batch(composed, tmp_path, monkeypatch, batch, limit,
+                                              expected):
+    """A CUDA out-of-memory error is injected (no GPU here): batches above `limit` images fail.
+    The micro-batch always divides the batch: 100 -> 50 -> 25 -> 10, not 12."""
     from labrun import models, run
 
     real_build = models.build
@@ -107,16 +110,16 @@ def test_out_of_memory_halves_the_micro_batch(composed, tmp_path, monkeypatch):
             self.inner = inner
 
         def forward(self, x):
-            if self.training and x.shape[0] > 8:
+            if self.training and x.shape[0] > limit:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
             return self.inner(x)
 
     monkeypatch.setattr(run.models, "build", lambda *a, **k: FailsAbove8(real_build(*a, **k)))
-    cfg = composed("trainer.batch_size=32", "trainer.max_epochs=1", "logger=none",
+    cfg = composed(f"trainer.batch_size={batch}", "trainer.max_epochs=1", "logger=none",
                    "trainer.limit_train_batches=3", "dataset.num_workers=0",
                    "trainer.progress=none")
     run.train(cfg)
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "completed" and summary["step"] == 3
     state = torch.load(tmp_path / "run/checkpoints/last.pt", weights_only=True)
-    assert state["data"]["micro_batch_size"] == 8  # 32 -> 16 -> 8: accumulation 4
+    assert state["data"]["micro_batch_size"] == expected

@@ -15,15 +15,16 @@ def training_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[summed loss, top-1 correct, top-5 correct, count] of one batch, as float64."""
+    """[summed loss, top-1 correct, top-5 correct, count] of one batch, as float32 (MPS has
+    no float64); the caller adds them up in float64 on the CPU."""
     k = min(5, logits.shape[1])
     top = logits.topk(k, dim=1).indices
     hits = top.eq(labels[:, None])
     return torch.stack([
-        F.cross_entropy(logits.float(), labels, reduction="sum").double(),
-        hits[:, 0].sum().double(),
-        hits.any(dim=1).sum().double(),
-        torch.tensor(float(len(labels)), dtype=torch.float64, device=logits.device),
+        F.cross_entropy(logits.float(), labels, reduction="sum"),
+        hits[:, 0].sum().float(),
+        hits.any(dim=1).sum().float(),
+        torch.tensor(float(len(labels)), device=logits.device),
     ])
 
 

@@ -32,6 +32,16 @@ def redact(arg: str) -> str:
     return f"{name}=<redacted>" if sep and SECRET_NAME.search(name) else arg
 
 
+def redact_tree(node: Any) -> Any:
+    """A config as plain containers, with the values of credential-like keys redacted."""
+    if isinstance(node, dict):
+        return {k: "<redacted>" if SECRET_NAME.search(str(k)) else redact_tree(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [redact_tree(v) for v in node]
+    return node
+
+
 def _git(*args: str, cwd: Path) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20)

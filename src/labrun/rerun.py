@@ -38,10 +38,11 @@ def saved_overrides(run_dir: Path) -> list[str]:
     return [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep."))]
 
 
-def train_command(run_dir: Path) -> list[str]:
-    """The interpreter and train.py that started the run (this project's, if not recorded)."""
+def train_command(run_dir: Path) -> tuple[list[str], Path]:
+    """The interpreter and train.py that started the run, and the folder it started in, so
+    relative paths in its config mean the same again (this project's, if not recorded)."""
     command_file = run_dir / "provenance" / "command.json"
-    python, script = sys.executable, PROJECT_DIR / "train.py"
+    python, script, cwd = sys.executable, PROJECT_DIR / "train.py", PROJECT_DIR
     if command_file.is_file():
         recorded = json.loads(command_file.read_text())
         recorded_script = Path(recorded["cwd"]) / recorded["argv"][0]
@@ -49,7 +50,9 @@ def train_command(run_dir: Path) -> list[str]:
             script = recorded_script
         if Path(recorded["executable"]).is_file():
             python = recorded["executable"]
-    return [python, str(script)]
+        if Path(recorded["cwd"]).is_dir():
+            cwd = Path(recorded["cwd"])
+    return [python, str(script)], cwd
 
 
 def differences(run_dir: Path) -> list[str]:
@@ -78,14 +81,15 @@ def differences(run_dir: Path) -> list[str]:
 def run(args) -> int:
     run_dir = args.run_dir.resolve()
     overrides = saved_overrides(run_dir) + list(args.extra)
-    command = train_command(run_dir) + overrides
+    train, cwd = train_command(run_dir)
+    command = train + overrides
     if args.command == "resume":
         command.append(f"hydra.run.dir={run_dir}")
         print("resuming:", shlex.join(command), flush=True)
-        return subprocess.call(command, cwd=PROJECT_DIR)
+        return subprocess.call(command, cwd=cwd)
     for note in differences(run_dir):
         print(f"warning: {note}", file=sys.stderr)
     print(shlex.join(command))
     if args.exec:
-        return subprocess.call(command, cwd=PROJECT_DIR)
+        return subprocess.call(command, cwd=cwd)
     return 0

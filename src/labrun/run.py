@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from labrun import config, data, distributed, models, provenance, tracking
 from labrun.checkpoint import CheckpointManager
 from labrun.checkpoint import load as load_checkpoint
-from labrun.errors import ConfigError
+from labrun.errors import ConfigError, LabrunError, one_line
 from labrun.session import RunInterrupted, TrainingSession
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
@@ -38,13 +39,32 @@ def train(cfg: DictConfig) -> float | None:
     if distributed.launched_as_one_process(cfg.trainer):
         # trainer.devices=N on one machine: N processes, started the way torchrun does.
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-        return distributed.run_processes(cfg.trainer.devices, train_process, resolved, launch)
+        outcome = distributed.run_processes(cfg.trainer.devices, train_worker, resolved, launch)
+        if "interrupted" in outcome:
+            raise RunInterrupted(outcome["interrupted"])
+        if "error" in outcome:
+            raise LabrunError(outcome["error"])
+        return outcome["objective"]
     return train_process(cfg, launch)
+
+
+def train_worker(cfg: DictConfig, launch: dict[str, Any]) -> dict[str, Any]:
+    """One of the processes that `trainer.devices=N` starts. A stop or a user error comes back
+    as a value, so that the parent prints it in one line (a raised one would reach the parent
+    as the launcher's multi-line ChildFailedError)."""
+    try:
+        return {"objective": train_process(cfg, launch)}
+    except RunInterrupted as error:
+        return {"interrupted": str(error)}
+    except LabrunError as error:
+        return {"error": one_line(error)}
 
 
 def train_process(cfg: DictConfig, launch: dict[str, Any]) -> float | None:
     """One rank's share of a run (the only one, without distributed training)."""
     dist = distributed.setup(cfg.trainer, cfg.distributed)
+    if dist.is_main:  # failures of an earlier attempt do not describe this one
+        shutil.rmtree(Path(cfg.paths.run_dir) / "errors", ignore_errors=True)
     try:
         return _train(cfg, dist, launch)
     except Exception as error:

@@ -144,7 +144,8 @@ class TrainingSession:
                 val = self.evaluate("val")
                 self.epoch, self.position = self.epoch + 1, 0
                 self.end_epoch(val)
-                self._stop_if_signalled()
+                if self._stop_requested():
+                    self._stop_if_signalled()
             if "test" in self.data.splits:
                 self.test_best()
             status = "completed"
@@ -193,7 +194,7 @@ class TrainingSession:
                 self.progress.update(done, self.step)
             if every_n and self.step % every_n == 0 and done < self.steps_per_epoch:
                 self.save_checkpoint()
-            if self.stop_signal is not None:
+            if self._stop_requested():
                 self.save_checkpoint()
                 self._stop_if_signalled()
 
@@ -242,7 +243,7 @@ class TrainingSession:
             images, labels = self.to_device(images, labels)
             with self.autocast():
                 logits = self.model(images)
-            sums += eval_sums(logits.float(), labels).cpu()
+            sums += eval_sums(logits.float(), labels).cpu().double()
         sums = all_reduce_sum(sums.to(self.device) if self.dist.enabled else sums).cpu()
         return eval_metrics(sums, split)
 
@@ -259,6 +260,8 @@ class TrainingSession:
         self.progress.end_epoch(val, self.best, monitor)
 
     def test_best(self) -> None:
+        if self.dist.enabled:
+            torch.distributed.barrier()  # rank 0 may still be writing best.pt
         best = self.checkpoints.folder / "best.pt"
         if best.exists():
             unwrap(self.model).load_state_dict(ckpt.load(best)["model"])
@@ -314,7 +317,8 @@ class TrainingSession:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.micro //= 2
+        # The largest size up to half that divides the per-process batch: whole steps only.
+        self.micro = max(d for d in range(1, self.micro // 2 + 1) if self.per_rank_batch % d == 0)
         self.progress.message(f"out of memory: trainer.micro_batch_size -> {self.micro}, "
                               f"accumulation -> {self.per_rank_batch // self.micro}")
         self.train_loader = self._train_loader()
@@ -356,6 +360,17 @@ class TrainingSession:
         for s in previous:
             signal.signal(s, handler)
         return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got a stop signal: every rank stops at the same step boundary."""
+        signum = self.stop_signal or 0
+        if self.dist.enabled:
+            flag = torch.tensor(float(signum), device=self.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            signum = int(flag.item())
+        if signum:
+            self.stop_signal = signum
+        return bool(signum)
 
     def _stop_if_signalled(self) -> None:
         if self.stop_signal is None:
@@ -422,7 +437,9 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # Only the GPUs visible now (a run may resume with fewer than it started with).
+        for index, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
     version, mt, gauss = state["python"]
     random.setstate((version, tuple(mt), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]

@@ -268,8 +268,10 @@ def build(cfg: DictConfig, run_dir: Path, *, is_main: bool, resume_id: str | Non
     sweep = sweep or {}
     from omegaconf import OmegaConf
 
-    config = OmegaConf.to_container(cfg, resolve=True)
-    config["overrides"] = sweep.get("overrides", [])
+    from labrun.provenance import redact, redact_tree
+
+    config = redact_tree(OmegaConf.to_container(cfg, resolve=True))
+    config["overrides"] = [redact(o) for o in sweep.get("overrides", [])]
     config["provenance"] = provenance or {}
     group = cfg.logger.group
     if group is None and sweep.get("dir"):

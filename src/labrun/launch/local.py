@@ -52,11 +52,16 @@ class LocalLauncher(Launcher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         jobs = sweep.plan(self.hydra_context, self.config, job_overrides, initial_job_idx)
         gpus = list(cluster.gpu_ids) if cluster.gpu_ids is not None else visible_gpus()
-        per_job = cluster.devices if gpus else 0
-        if gpus and per_job > len(gpus):
-            raise ConfigError(f"trainer.devices={per_job} but only {len(gpus)} GPUs are "
-                              f"available ({gpus}); lower trainer.devices or set cluster.gpu_ids")
-        max_parallel = cluster.max_parallel or (len(gpus) // per_job if gpus else 1)
+
+        def needs(job: Job) -> int:  # GPUs of one job: its own trainer.devices (may be swept)
+            return job.config.cluster.devices if gpus else 0
+
+        for job in jobs:
+            if needs(job) > len(gpus):
+                raise ConfigError(f"trainer.devices={needs(job)} but only {len(gpus)} GPUs are "
+                                  f"available ({gpus}); lower trainer.devices or set "
+                                  f"cluster.gpu_ids")
+        max_parallel = cluster.max_parallel or (len(gpus) // cluster.devices if gpus else 1)
         print(f"sweep: {len(jobs)} jobs in {sweep_dir}, at most {max_parallel} at once"
               + (f" on GPUs {gpus}" if gpus else ""), flush=True)
 
@@ -64,9 +69,9 @@ class LocalLauncher(Launcher):
         free, running = list(gpus), {}
         try:
             while queue or running:
-                while queue and len(running) < max_parallel and len(free) >= per_job:
-                    job, mine = queue.pop(0), free[:per_job]
-                    del free[:per_job]
+                while queue and len(running) < max_parallel and len(free) >= needs(queue[0]):
+                    job = queue.pop(0)
+                    mine, free = free[:needs(job)], free[needs(job):]
                     running[self._start(job, mine, sweep_dir)] = (job, mine)
                     sweep.write_manifest(sweep_dir, "local", jobs)
                 for proc in [p for p in running if p.poll() is not None]:

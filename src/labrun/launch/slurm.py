@@ -147,7 +147,7 @@ def last_exception(stderr: Path) -> str:
     """`: ValueError: ...`, the last exception line a job's stderr shows (or nothing)."""
     if not stderr.is_file():
         return ""
-    pattern = re.compile(r"^[\w.]+(Error|Exception|Interrupt): ")
+    pattern = re.compile(r"^([\w.]+(Error|Exception|Interrupt)|error): ")
     lines = [line for line in stderr.read_text(errors="replace").splitlines()
              if pattern.match(line)]
     return f": {lines[-1][:200]}" if lines else ""
@@ -239,8 +239,10 @@ def partition_limits(partition: str | None) -> dict[str, int]:
         name, cpus, mem, gres = line.split("|")
         if name.endswith("*"):
             name = default = name[:-1]
-        gpus = sum(int(g.rsplit(":", 1)[-1].split("(")[0]) for g in gres.split(",")
-                   if g.startswith("gpu") and g.rsplit(":", 1)[-1].split("(")[0].isdigit())
+        # gpu:4, gpu:a100:4 or gpu:a100:4(S:0-1): the count is the last field before "(".
+        counts = [g.split("(")[0].rsplit(":", 1)[-1] for g in gres.split(",")
+                  if g.startswith("gpu")]
+        gpus = sum(int(c) for c in counts if c.isdigit())
         nodes.setdefault(name, []).append((int(cpus), int(mem), gpus))
     wanted = partition or default
     if wanted not in nodes:
