@@ -78,8 +78,13 @@ def test_three_job_sweep_is_one_array_and_runs_the_snapshot(tmp_path):
             p.name for p in run.iterdir()}
         env = json.loads((run / "provenance" / "environment.json").read_text())
         assert env["slurm"]["SLURM_ARRAY_JOB_ID"] == array.pop() if num == 0 else True
-        # The job imported labrun from the snapshot taken at submission, not the working tree.
+        # The job imported labrun from the snapshot taken at submission, not the working tree,
+        # and recorded the commit the snapshot was taken from.
         assert env["labrun"].startswith(str(tmp_path / ".code"))
+        git = json.loads((run / "provenance" / "git.json").read_text())
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True,
+                              text=True).stdout.strip()
+        assert git["commit"] == head
     assert result.stdout.count("completed") >= 3
 
 
