@@ -149,6 +149,8 @@ class TrainingSession:
             if "test" in self.data.splits:
                 self.test_best()
             status = "completed"
+            best = "none" if self.best is None else f"{self.best:.4f}"
+            self.progress.message(f"completed: best {monitor} {best}; results in {self.folder.path}")
             return self.best
         except (RunInterrupted, SystemExit):
             status = "interrupted"  # SystemExit: submitit requeued the job
