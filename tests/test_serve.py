@@ -23,12 +23,7 @@ from conftest import LABRUN, PROJECT, run_labrun
 from labrun import inference, models
 from labrun.data import digits
 from labrun.data.transforms import ValTransform, normalize_on_device
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from labrun.serve import serving
 
 
 @pytest.fixture(scope="module")
@@ -41,30 +36,11 @@ def onnx_model(digits_run, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(onnx_model, tmp_path_factory):
     """`labrun serve MODEL` on a free port; yields its base URL; stopped by PID."""
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([LABRUN, "serve", str(onnx_model), "--port", str(port)],
-                                   cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, f"labrun serve exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"no /health after 60 s:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield url
+        with serving(onnx_model, log, cwd=PROJECT) as served:
+            yield served.url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
         print(log.read_text()[-3000:])
 
 

@@ -13,18 +13,14 @@ and server share this machine's cores, as they do in any loopback measurement.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +30,7 @@ import torch
 import labrun
 from labrun import export, inference
 from labrun.errors import LabrunError
+from labrun.serve import serving
 
 NUM_IMAGES = 16
 
@@ -61,7 +58,9 @@ def run(args) -> int:
         predictor = inference.Predictor(model, inference.default_threads(1))
         inputs = [predictor.normalize(predictor.preprocess(predictor.decode(j))[None])
                   for j in jpegs]
-        with running_server(model, folder) as url:
+        with serving(model, folder / "server.log", args=("--log-level", "warning")) as served:
+            url = served.url
+
             def served_call(client, i: int) -> bool:
                 files = {"file": (f"{i % len(jpegs)}.jpg", jpegs[i % len(jpegs)], "image/jpeg")}
                 return client.post(f"{url}/predict", files=files).status_code == 200
@@ -149,28 +148,6 @@ def make_jpegs(size: int) -> list[bytes]:
 # Measurements
 
 
-@contextlib.contextmanager
-def running_server(model: Path, folder: Path) -> Iterator[str]:
-    """`labrun serve MODEL` on a free 127.0.0.1 port; yields its URL; stopped by PID."""
-    port = free_port()
-    log_path = folder / "server.log"
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "labrun.cli", "serve", str(model),
-                                   "--port", str(port), "--log-level", "warning"],
-                                  stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, server, log_path)
-        yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
 def new_client():
     import httpx
 
@@ -223,29 +200,6 @@ def measure(make_client, call, requests: int, clients: int) -> dict[str, Any]:
     return {"per_s": len(ms) / wall, "p50_ms": statistics.median(ms),
             "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "errors": errors,
             "count": len(ms), "seconds": wall}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise LabrunError(f"labrun serve exited with {server.returncode}: "
-                              f"{log.read_text()[-500:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise LabrunError(f"labrun serve did not answer /health within {timeout_s:.0f} s")
 
 
 def _version(package: str) -> str:

@@ -22,8 +22,9 @@ import httpx
 import pytest
 from PIL import Image
 
-from conftest import LABRUN, run_labrun
+from conftest import run_labrun
 from labrun.data import digits
+from labrun.serve import serving
 
 pytestmark = pytest.mark.timeout(300)  # the first test may train the session's digits run
 
@@ -73,12 +74,6 @@ class Server:
         return answer.json()["top"]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(digits_run, tmp_path_factory):
     """`labrun serve` on an ONNX export of a copy of the digits run; stopped by PID."""
@@ -91,31 +86,11 @@ def server(digits_run, tmp_path_factory):
     cwd, tmpdir = sandbox / "srv" / "a" / "b", sandbox / "tmp"
     cwd.mkdir(parents=True)
     tmpdir.mkdir()
-    port = free_port()
     log = root / "server.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([LABRUN, "serve", str(model), "--port", str(port)], cwd=cwd,
-                                   stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "TMPDIR": str(tmpdir)})
-    url = f"http://{HOST}:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, f"labrun serve exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"no /health after 60 s:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield Server(url, port, process, sandbox, cwd, tmpdir)
+        with serving(model, log, cwd=cwd, env={**os.environ, "TMPDIR": str(tmpdir)}) as served:
+            yield Server(served.url, served.port, served.process, sandbox, cwd, tmpdir)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
         print(log.read_text(errors="replace")[-2000:])
 
 
