@@ -89,16 +89,18 @@ def test_three_job_sweep_is_one_array_and_runs_the_snapshot(tmp_path):
 
 
 def test_two_task_ddp_job_trains_and_only_rank_0_writes(tmp_path):
-    result = run_sweep(tmp_path, "trainer.devices=2", "trainer.max_epochs=1",
-                       "trainer.limit_train_batches=3", "+variant=ddp")
+    """A sweep over trainer.devices: each job gets its own tasks per node (two arrays)."""
+    result = run_sweep(tmp_path, "trainer.devices=1,2", "trainer.max_epochs=1",
+                       "trainer.limit_train_batches=3")
     assert result.returncode == 0, result.stdout + result.stderr
-    run = tmp_path / "0"
-    env = json.loads((run / "provenance" / "environment.json").read_text())
-    assert env["slurm"]["SLURM_NTASKS"] == "2"
+    tasks = [json.loads((tmp_path / n / "provenance" / "environment.json").read_text())
+             ["slurm"]["SLURM_NTASKS"] for n in ("0", "1")]
+    assert tasks == ["1", "2"]
+    run = tmp_path / "1"
     assert read_summary(run)["status"] == "completed"
     steps = [p["step"] for p in read_metrics(run) if "train/loss" in p]
     assert steps == sorted(set(steps)) == [3]  # one writer: each point once
-    job_folder = Path(manifest(tmp_path)["jobs"][0]["log"]).parent
+    job_folder = Path(manifest(tmp_path)["jobs"][1]["log"]).parent
     assert len(list(job_folder.glob("*_log.out"))) == 2  # both tasks ran
     assert not (run / "errors").exists()
 

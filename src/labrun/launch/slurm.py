@@ -76,20 +76,28 @@ class SlurmLauncher(BaseSubmititLauncher):
         todo = [job for job in jobs if job.state == "pending"]
         if not todo:
             return self._finish(jobs, sweep_dir)
-        check_resources(cluster)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        snapshot = sweep_dir / ".code" / stamp if cluster.snapshot else None
+        # One array per distinct resource request: a sweep over trainer.devices, say, asks
+        # for different tasks and GPUs per node.
+        arrays: dict[str, list[sweep.Job]] = {}
         for job in todo:
             make_paths_absolute(job.config, sweep_dir)
-
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        folder = sweep_dir / ".submitit" / stamp / "%j"
-        executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
-                                         slurm_max_num_timeout=cluster.max_num_timeout)
-        snapshot = sweep_dir / ".code" / stamp if cluster.snapshot else None
-        executor.update_parameters(**executor_parameters(cluster, self.config, snapshot))
-        state = Singleton.get_state()
+            params = executor_parameters(job.config.cluster, self.config, snapshot)
+            arrays.setdefault(repr(sorted(params.items())), []).append(job)
+        for group in arrays.values():
+            check_resources(group[0].config.cluster)
+        todo = [job for group in arrays.values() for job in group]
+        state, submitted = Singleton.get_state(), []
         with code_snapshot(snapshot):
-            submitted = executor.map_array(self, [job.config for job in todo],
-                                           [state] * len(todo))
+            for group in arrays.values():
+                executor = submitit.AutoExecutor(
+                    folder=sweep_dir / ".submitit" / stamp / "%j", cluster="slurm",
+                    slurm_max_num_timeout=group[0].config.cluster.max_num_timeout)
+                executor.update_parameters(
+                    **executor_parameters(group[0].config.cluster, self.config, snapshot))
+                submitted += executor.map_array(self, [job.config for job in group],
+                                                [state] * len(group))
         for job, handle in zip(todo, submitted, strict=True):
             job.state, job.job_id, job.log = "submitted", handle.job_id, str(handle.paths.stdout)
             print(f"job {job.num}: SLURM {handle.job_id}  log {handle.paths.stdout}", flush=True)
