@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,25 @@ def run_train(*overrides: str, run_dir: Path | None = None, check: bool = True,
         raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout[-3000:]}"
                              f"\n{result.stderr[-3000:]}")
     return result
+
+
+def start_train(*overrides: str, run_dir: Path, env: dict[str, str] | None = None,
+                output=subprocess.PIPE) -> subprocess.Popen:
+    """The real `python train.py` (FAST + overrides) in the background, for tests that stop it."""
+    args = [PYTHON, str(PROJECT / "train.py"), *FAST, *overrides, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(args, cwd=PROJECT, stdout=output, stderr=output, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until `path` exists; fails if the process ends first or time runs out."""
+    deadline = time.time() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            detail = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"run ended before {path.name}: {detail}")
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
 
 
 def run_labrun(*args: str, check: bool = True, timeout: int = 300, cwd: Path = PROJECT

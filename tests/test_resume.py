@@ -5,38 +5,26 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import (
     DETERMINISTIC,
-    FAST,
-    PROJECT,
-    PYTHON,
     assert_identical,
     final_weights,
     read_metrics,
     read_summary,
     run_train,
+    start_train,
+    wait_for,
 )
 
 RUN = DETERMINISTIC
 
 
 def start(run_dir: Path) -> subprocess.Popen:
-    args = [PYTHON, "train.py", *FAST, *RUN, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(args, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"run ended before {path.name}: {proc.stderr.read()}"
-        assert time.time() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
+    return start_train(*RUN, run_dir=run_dir)
 
 
 @pytest.mark.parametrize("kill_after", ["step-00000022.pt", "step-00000035.pt"],

@@ -6,12 +6,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, PROJECT, PYTHON, read_metrics, read_summary, run_train
+from conftest import PYTHON, read_metrics, read_summary, run_train, start_train, wait_for
 from labrun import provenance
 
 WANDB = str(Path(PYTHON).with_name("wandb"))
@@ -71,15 +70,8 @@ def test_offline_run_matches_the_run_folder(wandb_run):
 
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
     run_dir = tmp_path / "run"
-    args = [PYTHON, "train.py", *FAST, "logger=wandb", "trainer.max_epochs=2",
-            f"hydra.run.dir={run_dir}"]
-    import os
-    proc = subprocess.Popen(args, cwd=PROJECT, env={**os.environ, **OFFLINE},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (run_dir / "checkpoints" / "step-00000022.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-        time.sleep(0.05)
+    proc = start_train("logger=wandb", "trainer.max_epochs=2", run_dir=run_dir, env=OFFLINE)
+    wait_for(run_dir / "checkpoints" / "step-00000022.pt", proc)
     proc.send_signal(signal.SIGTERM)  # interrupted: checkpoint, then wandb.finish()
     proc.wait(timeout=60)
     run_train("logger=wandb", "trainer.max_epochs=2", run_dir=run_dir, env=OFFLINE)

@@ -96,7 +96,7 @@ def test_precision_groups_run_on_cpu(tmp_path):
         assert summary["status"] == "completed", result.stderr
         state = torch.load(tmp_path / precision / "checkpoints" / "last.pt", weights_only=True)
         if precision == "fp16" and "running bf16 instead" not in result.stderr:
-            assert state["scaler"]["scale"] > 0  # the GradScaler really ran
+            assert "scale" in state["scaler"], "the GradScaler was not enabled"
 
 
 def test_test_split_is_evaluated_with_the_best_checkpoint(tmp_path):

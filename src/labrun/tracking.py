@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from labrun.errors import one_line
 
@@ -266,8 +266,6 @@ def build(cfg: DictConfig, run_dir: Path, *, is_main: bool, resume_id: str | Non
     if name == "tensorboard":
         return TensorBoardTracker(run_dir)
     sweep = sweep or {}
-    from omegaconf import OmegaConf
-
     from labrun.provenance import redact, redact_tree
 
     config = redact_tree(OmegaConf.to_container(cfg, resolve=True))

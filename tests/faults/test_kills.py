@@ -15,23 +15,20 @@ import torch
 
 from conftest import (
     DETERMINISTIC,
-    FAST,
-    PROJECT,
-    PYTHON,
     assert_identical,
     final_weights,
     read_metrics,
     read_summary,
     run_train,
+    start_train,
+    wait_for,
 )
 
 KILLS = 10
 
 
 def start(run_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen([PYTHON, "train.py", *FAST, *DETERMINISTIC,
-                             f"hydra.run.dir={run_dir}"], cwd=PROJECT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return start_train(*DETERMINISTIC, run_dir=run_dir, output=subprocess.DEVNULL)
 
 
 def every_checkpoint_loads(run_dir: Path) -> list[str]:
@@ -95,12 +92,8 @@ def test_kill_9_at_ten_random_moments(tmp_path, reference_weights, fault):
 def test_ctrl_c_checkpoints_then_resumes_identically(tmp_path, reference_weights, fault):
     record = fault("SIGINT (Ctrl-C)")
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([PYTHON, "train.py", *FAST, *DETERMINISTIC,
-                             f"hydra.run.dir={run_dir}"], cwd=PROJECT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    while not (run_dir / "checkpoints" / "step-00000015.pt").exists():
-        assert proc.poll() is None
-        time.sleep(0.02)
+    proc = start_train(*DETERMINISTIC, run_dir=run_dir)
+    wait_for(run_dir / "checkpoints" / "step-00000015.pt", proc)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     summary = read_summary(run_dir)
