@@ -1,35 +1,57 @@
 #!/usr/bin/env bash
-# GPU throughput check (never part of the tests): ResNet-50 on synthetic 224 px data through
-# the real `python train.py`, bf16 and fp16, channels_last, with and without torch.compile.
-# One line of images/s each; about 5 minutes on one GPU.
+# GPU checks (never part of the tests), one figure per line, about 6 minutes on one GPU:
+#   1. `labrun bench data` with the batches normalised on the GPU, as the trainer does, then
+#      on the CPU, on this machine's cores;
+#   2. ResNet-50 training through the real `python train.py` on synthetic 224 px data:
+#      bf16 and fp16 with channels_last, and bf16 with torch.compile;
+#   3. `labrun doctor` (GPU, CUDA, NCCL).
 #
-#   bash benchmarks/gpu_check.sh            # after `make train` (or scripts/setup.sh)
-set -euo pipefail
+#   bash benchmarks/gpu_check.sh [OUT_DIR]     # after `make train`; PY=python3 for another env
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
-[ -x "$PY" ] || bash scripts/setup.sh >/dev/null
-"$PY" - <<'PY'
-import torch, sys
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || command -v "$PY" >/dev/null || bash scripts/setup.sh >/dev/null
+OUT=${1:-$(mktemp -d)}
+mkdir -p "$OUT"
+labrun() { "$PY" -c 'import sys; from labrun.cli import main; sys.exit(main())' "$@"; }
+
+"$PY" - <<'PY' || exit 1
+import sys, torch
 if not torch.cuda.is_available():
     sys.exit("gpu_check: no CUDA GPU visible")
-print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+from labrun.data import decode
+region = "compiled" if decode._decode_region else "NOT compiled (whole-image fallback)"
+print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+      f"CUDA {torch.version.cuda}; JPEG region decoding {region}")
 PY
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
-for precision in bf16 fp16; do
-    for compile in false true; do
-        dir="$out/$precision-$compile"
-        "$PY" train.py model=resnet50 dataset=synthetic dataset.image_size=224 \
-            dataset.num_train=12800 dataset.num_val=256 dataset.num_workers=8 \
-            trainer.batch_size=256 trainer.max_epochs=1 trainer.limit_train_batches=60 \
-            trainer.log_every_n_steps=20 trainer.channels_last=true trainer.compile=$compile \
-            precision=$precision logger=csv trainer.progress=none optimizer=sgd \
-            "hydra.run.dir=$dir" > "$dir.log" 2>&1 || { echo "$precision compile=$compile: FAILED ($dir.log)"; tail -5 "$dir.log"; continue; }
-        # The last logged window (steps 41-60) is past warm-up and compilation.
-        "$PY" -c "
+
+echo "== labrun bench data (2 workers), normalised on the GPU, then on the CPU"
+labrun bench data --device cuda --json "$OUT/bench_data_cuda.json" 2>&1 | tail -9
+labrun bench data --device cpu --json "$OUT/bench_data_cpu.json" 2>&1 | tail -3
+
+echo "== ResNet-50 training, synthetic 224 px, batch 256, channels_last"
+for run in bf16:false fp16:false bf16:true; do
+    precision=${run%:*} compile=${run#*:}
+    dir="$OUT/train-$precision-compile-$compile"
+    "$PY" train.py model=resnet50 dataset=synthetic dataset.image_size=224 \
+        dataset.num_train=10240 dataset.num_val=512 dataset.num_workers=12 \
+        trainer.batch_size=256 trainer.max_epochs=1 trainer.limit_train_batches=40 \
+        trainer.log_every_n_steps=20 trainer.channels_last=true trainer.compile="$compile" \
+        precision="$precision" logger=csv trainer.progress=none optimizer=sgd \
+        "hydra.run.dir=$dir" > "$dir.log" 2>&1 \
+        || { echo "$precision compile=$compile: FAILED"; tail -5 "$dir.log"; continue; }
+    # The last logged window (steps 21-40) is past warm-up and compilation.
+    "$PY" - "$dir" "$precision" "$compile" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open('$dir/metrics.jsonl') if 'perf/images_per_s' in l]
-print(f'resnet50 224px {\"$precision\"} channels_last compile=$compile: '
-      f'{rows[-1][\"perf/images_per_s\"]:.0f} images/s (data wait {rows[-1][\"perf/data_wait_frac\"]:.0%})')"
-    done
+run_dir, precision, compile = sys.argv[1:]
+rows = [json.loads(l) for l in open(f"{run_dir}/metrics.jsonl")]
+perf = [r for r in rows if "perf/images_per_s" in r][-1]
+val = [r for r in rows if "val/acc" in r][-1]
+print(f"resnet50 224px {precision} channels_last compile={compile}: "
+      f"{perf['perf/images_per_s']:.0f} images/s, data wait {perf['perf/data_wait_frac']:.0%}, "
+      f"loss {perf['train/loss']:.3f}, val/acc {val['val/acc']:.3f}")
+PY
 done
+
+echo "== labrun doctor"
+labrun doctor 2>&1 | tail -25

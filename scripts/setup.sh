@@ -4,13 +4,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# libjpeg-turbo for PyTurboJPEG (labrun falls back to Pillow, slowly, without it).
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libturbojpeg; then
-    echo "installing libturbojpeg0 (apt)"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libturbojpeg0 >/dev/null
+# libjpeg-turbo for PyTurboJPEG (labrun falls back to Pillow, slowly, without it), and its
+# headers and a C compiler for labrun's JPEG region decoder (setup.py; optional: without them
+# labrun decodes whole images, more slowly).
+missing=()
+ldconfig -p | grep -q libturbojpeg || missing+=(libturbojpeg0)
+[ -e /usr/include/jpeglib.h ] || missing+=(libjpeg62-turbo-dev)
+command -v cc >/dev/null || missing+=(gcc libc6-dev)
+PYTHON=${PYTHON:-python3}
+[ -e "$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] \
+    || missing+=(python3-dev)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing ${missing[*]} (apt)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
     .venv/bin/pip install -q --upgrade pip

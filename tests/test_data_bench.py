@@ -15,13 +15,14 @@ def test_bench_data_measures_every_pipeline_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     result = run_labrun("bench", "data", "--images", "24", "--work-dir", str(tmp_path),
                         "--batch-size", "8", "--size", "64", "--seconds", "0.1", "--rounds", "1",
-                        "--json", str(out))
+                        "--passes", "2", "--device", "cpu", "--json", str(out))
     figures = json.loads(out.read_text())
     assert set(figures) == {"baseline", "imagefolder", "hdf5", "ceiling", "speedup",
                             "of_ceiling"}
     assert all(value > 0 for value in figures.values())
     assert abs(figures["speedup"] - figures["hdf5"] / figures["baseline"]) < 0.01
     assert "speedup    (3/1)" in result.stdout and "of_ceiling (3/4)" in result.stdout
+    assert "normalised floats on cpu" in result.stdout
 
 
 def test_generated_photos_are_cached_deterministic_and_photo_sized(tmp_path):

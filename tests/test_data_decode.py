@@ -67,6 +67,80 @@ def test_turbojpeg_dct_scaling_keeps_both_sides_at_least_min_size():
     assert np.abs(small - np.asarray(full)).mean() < 3
 
 
+def random_regions(height: int, width: int, count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        top, left = int(rng.integers(0, height)), int(rng.integers(0, width))
+        yield (top, left, int(rng.integers(1, height - top + 1)),
+               int(rng.integers(1, width - left + 1)))
+
+
+@pytest.mark.skipif(dec._decode_region is None, reason="the _jpeg_region extension is not built")
+@pytest.mark.parametrize("subsampling", [0, 1, 2])  # 4:4:4, 4:2:2, 4:2:0
+def test_region_decode_gives_exactly_the_pixels_of_a_full_decode(subsampling):
+    from turbojpeg import TJPF_RGB
+
+    data = encode(smooth_image(203, 317, seed=subsampling), quality=90, subsampling=subsampling)
+    for denom in (1, 2, 4):
+        full = dec._turbojpeg().decode(data, pixel_format=TJPF_RGB,
+                                       scaling_factor=(1, denom) if denom > 1 else None)
+        for top, left, height, width in random_regions(*full.shape[:2], 40, seed=denom):
+            region = dec.decode_region(data, top, left, height, width, denom)
+            assert np.array_equal(region, full[top:top + height, left:left + width]), \
+                (denom, top, left, height, width)
+    with pytest.raises(ValueError, match="outside the image"):
+        dec._decode_region(data, 200, 0, 10, 10, 1)
+
+
+def test_jpeg_image_crops_like_the_decoded_image_with_or_without_the_extension(monkeypatch):
+    image = smooth_image(240, 300)
+    data = encode(image, quality=92)
+    gray = encode(Image.fromarray(image).convert("L"))
+    opened = dec.open_image(data, "turbojpeg")
+    assert isinstance(opened, dec.JpegImage) and opened.shape == (240, 300, 3)
+    full = dec.decode(data, "turbojpeg")
+    # At 160 px no crop of a 240 x 300 image is twice the output: never DCT-scaled, so exact.
+    train, val, small = TrainTransform(160), ValTransform(160), TrainTransform(48)
+    for extension in (dec._decode_region, None):  # compiled, then the whole-image fallback
+        monkeypatch.setattr(dec, "_decode_region", extension)
+        assert np.array_equal(opened.crop(10, 20, 100, 90), full[10:110, 20:110])
+        # The smallest fast DCT scale that keeps both sides >= min_size: 1/2 for 100, 1/4 for 60.
+        assert np.array_equal(opened.crop(0, 0, 240, 300, min_size=100),
+                              dec.decode(data, "turbojpeg", min_size=120))
+        assert opened.crop(40, 0, 200, 300, min_size=50).shape == (50, 75, 3)
+        for seed in range(5):  # the transforms crop a JpegImage as they crop its pixels
+            assert torch.equal(train(opened, np.random.default_rng(seed)),
+                               train(full, np.random.default_rng(seed)))
+        assert torch.equal(val(opened), val(full))
+        for seed in range(5):  # at 48 px large crops decode at 1/2 or 1/4: nearly the same
+            scaled = small(opened, np.random.default_rng(seed)).int()
+            assert (scaled - small(full, np.random.default_rng(seed)).int()).abs().float().mean() < 3
+        gray_crop = dec.open_image(gray, "turbojpeg").crop(5, 5, 50, 60)
+        assert np.array_equal(gray_crop, dec.decode(gray, "turbojpeg")[5:55, 5:65])
+    # Whatever TurboJPEG will not decode lazily comes back decoded: other formats, other
+    # decoders, CMYK, a file cut short.
+    pil = Image.fromarray(image)
+    for data_, decoder in ((encode(image, "PNG"), "turbojpeg"), (data, "pil"),
+                           (encode(pil.convert("CMYK")), "turbojpeg")):
+        assert isinstance(dec.open_image(data_, decoder), np.ndarray)
+    with pytest.raises(OSError, match="truncated"):
+        dec.open_image(data[: len(data) // 2], "turbojpeg")
+
+
+def test_damaged_jpeg_data_found_while_cropping_is_decided_by_pillow():
+    data = bytearray(encode(smooth_image(128, 128), quality=90))
+    data[len(data) // 2:-2] = b"\x00" * (len(data) // 2 - 2)  # header intact, scan data zeroed
+    opened = dec.open_image(bytes(data), "turbojpeg")
+    assert isinstance(opened, dec.JpegImage)
+    try:
+        expected = dec.decode(bytes(data), "turbojpeg")[0:100, 0:100]
+    except OSError as error:
+        with pytest.raises(type(error)):
+            opened.crop(0, 0, 100, 100)
+    else:
+        assert np.array_equal(opened.crop(0, 0, 100, 100), expected)
+
+
 def test_damaged_and_non_image_bytes_raise():
     data = encode(smooth_image(64, 64), quality=90)
     with pytest.raises(OSError, match="truncated"):
@@ -113,7 +187,6 @@ def test_train_transform_is_uint8_chw_deterministic_and_scale_aware():
     # A DCT-scaled (half-size) decode gets the same relative crop: nearly the same output.
     half = np.asarray(Image.fromarray(image).resize((80, 60), Image.BILINEAR))
     assert (run(0, half).int() - out.int()).abs().float().mean() < 6
-    assert transform.min_size == 72  # ceil(32 / sqrt(0.2)): the smallest crop keeps 32 px
     gray = transform(image[:, :, 0], np.random.default_rng(0))
     assert gray.shape == (3, 32, 32) and torch.equal(gray[0], gray[1])
 

@@ -12,7 +12,12 @@ from hydra.core.global_hydra import GlobalHydra
 from conftest import PROJECT, read_summary, run_train
 from labrun import config, schedules
 from labrun.data import EpochSampler
-from labrun.data.transforms import TrainTransform, ValTransform
+from labrun.data.transforms import (
+    BatchNormalizer,
+    TrainTransform,
+    ValTransform,
+    normalize_on_device,
+)
 
 
 def test_accumulating_micro_batches_equals_one_big_batch(tmp_path):
@@ -93,6 +98,21 @@ def composed(tmp_path):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
         yield lambda *o: compose("train", overrides=[f"paths.run_dir={tmp_path}/run", *o])
+
+
+def test_batch_normalizer_reuses_one_cpu_buffer_and_normalizes_exactly():
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    normalize = BatchNormalizer(mean, std)
+    first, second = (torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8) for _ in range(2))
+    out = normalize(first)
+    assert out.dtype == torch.float32 and torch.equal(out, normalize_on_device(first, mean, std))
+    address = out.data_ptr()
+    out = normalize(second)
+    assert out.data_ptr() == address  # the same memory, written again
+    assert torch.equal(out, normalize_on_device(second, mean, std))
+    last = normalize(second[:3])  # a smaller last batch gets a buffer of its own shape
+    assert last.shape == (3, 3, 8, 8) and torch.equal(last, out[:3])
 
 
 @pytest.mark.parametrize("batch, limit, expected", [(32, 8, 8), (100, 12, 10)])

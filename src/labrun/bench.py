@@ -14,8 +14,9 @@ normalised floats at the end), batch size and worker count, in one run:
      float + normalise in the main process as the session does (on the CPU here);
   3. hdf5: the same from the file `labrun convert` writes;
   4. ceiling: TurboJPEG full-size decode of the same bytes alone, one core, times workers.
-Every pipeline runs a warm-up epoch, then whole epochs for at least --seconds; the rounds are
-interleaved and each pipeline keeps its best round, which tames noise from other processes.
+Every pipeline runs a warm-up epoch, then whole epochs for at least --seconds; an epoch goes
+over the images --passes times, as a real dataset's epoch is long. The rounds are interleaved
+and each pipeline keeps its best round, which tames noise from other processes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from labrun.errors import LabrunError
+from labrun.errors import ConfigError, LabrunError
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -88,20 +89,34 @@ def configure_data(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default: 2)")
     parser.add_argument("--size", type=int, default=224, help="crop size (default: 224)")
+    parser.add_argument("--passes", type=int, default=5, metavar="K",
+                        help="each timed epoch goes over the images K times (default: 5), so "
+                             "that the loader's restart at an epoch's end weighs about as "
+                             "little as in a real dataset's epoch")
     parser.add_argument("--seconds", type=float, default=3.0,
                         help="minimum timed seconds per pipeline and round (default: 3)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="interleaved rounds; each pipeline keeps its best (default: 2)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"),
+                        help="where the batches end as normalised floats, picked as the trainer "
+                             "picks trainer.accelerator (default: auto)")
     parser.add_argument("--json", metavar="FILE", help="write the figures to FILE as JSON")
 
 
 def run_data(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from labrun.distributed import pick_device
+
     console = Console(soft_wrap=True)
-    for flag in ("images", "batch_size", "workers", "size", "rounds"):
+    for flag in ("images", "batch_size", "workers", "size", "rounds", "passes"):
         if getattr(args, flag) <= 0:
             raise LabrunError(f"--{flag.replace('_', '-')} must be a positive number")
+    try:
+        device = pick_device(args.device, 0)
+    except ConfigError:
+        raise LabrunError(f"--device {args.device}: there is no such device here; use "
+                          f"--device auto or cpu") from None
     work_dir = Path(args.work_dir)
     if args.root:
         root = Path(args.root)
@@ -120,16 +135,17 @@ def run_data(args: argparse.Namespace) -> int:
 
     pipelines: dict[str, Callable[[], float]] = {
         "baseline": lambda: measure_loader(
-            lambda: baseline_loader(train_dir, args.size, args.batch_size, args.workers), None,
-            args.seconds),
+            lambda: baseline_loader(train_dir, args.size, args.batch_size, args.workers,
+                                    args.passes),
+            None if device.type == "cpu" else lambda images: images.to(device), args.seconds),
         "imagefolder": lambda: measure_labrun(
-            {"name": "imagefolder", "root": str(root)}, args),
-        "hdf5": lambda: measure_labrun({"name": "hdf5", "path": str(h5_path)}, args),
+            {"name": "imagefolder", "root": str(root)}, args, device),
+        "hdf5": lambda: measure_labrun({"name": "hdf5", "path": str(h5_path)}, args, device),
         "ceiling": lambda: measure_decode(train_dir, args.seconds) * args.workers,
     }
     console.print(f"labrun bench data: {described}\nRandomResizedCrop {args.size} + flip + "
-                  f"normalise, batch {args.batch_size}, {args.workers} workers, "
-                  f"{_cores()} cores, best of {args.rounds} round(s)", highlight=False)
+                  f"normalised floats on {device}, batch {args.batch_size}, {args.workers} "
+                  f"workers, {_cores()} cores, best of {args.rounds} round(s)", highlight=False)
     results = dict.fromkeys(pipelines, 0.0)
     for round_number in range(args.rounds):
         for name, measure in pipelines.items():
@@ -166,9 +182,9 @@ def print_data_results(console, results: dict[str, float], workers: int) -> None
                       highlight=False)
 
 
-def baseline_loader(train_dir: Path, size: int, batch_size: int, workers: int):
+def baseline_loader(train_dir: Path, size: int, batch_size: int, workers: int, passes: int):
     """What a user writes from the torchvision docs: PIL decode, PIL transforms, float tensors."""
-    from torch.utils.data import DataLoader
+    from torch.utils.data import ConcatDataset, DataLoader
     from torchvision import datasets, transforms
 
     transform = transforms.Compose([
@@ -177,28 +193,41 @@ def baseline_loader(train_dir: Path, size: int, batch_size: int, workers: int):
         transforms.ToTensor(),
         transforms.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD),
     ])
-    dataset = datasets.ImageFolder(str(train_dir), transform)
+    dataset = ConcatDataset([datasets.ImageFolder(str(train_dir), transform)] * passes)
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
 
 
-def measure_labrun(dataset: dict, args: argparse.Namespace) -> float:
+def measure_labrun(dataset: dict, args: argparse.Namespace, device) -> float:
     import torch
     from omegaconf import OmegaConf
 
     from labrun import data
     from labrun.config import HDF5Config, ImageFolderConfig
-    from labrun.data.transforms import normalize_on_device
+    from labrun.data.sources import SubsetSource
+    from labrun.data.transforms import BatchNormalizer
 
     schema = HDF5Config if dataset["name"] == "hdf5" else ImageFolderConfig
     cfg = OmegaConf.merge(OmegaConf.structured(schema), {
         **dataset, "decoder": "turbojpeg", "image_size": args.size, "num_workers": args.workers,
         "mean": IMAGENET_MEAN, "std": IMAGENET_STD})
     splits = data.build(cfg)
-    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
-    return measure_loader(
-        lambda: splits.loader("train", micro_batch_size=args.batch_size, seed=0),
-        lambda images: normalize_on_device(images, mean, std), args.seconds)
+    train = splits.splits["train"]
+    splits.splits["train"] = SubsetSource(train, np.tile(np.arange(len(train)), args.passes),
+                                          train.name)
+    # What the session does with each batch. On the CPU as the device, in one thread: a second
+    # one would only take turns with the workers on the same cores (measured: -20%).
+    normalize = BatchNormalizer(torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1),
+                                torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1))
+    cuda = device.type == "cuda"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_loader(
+            lambda: splits.loader("train", micro_batch_size=args.batch_size, seed=0,
+                                  pin_memory=cuda),
+            lambda images: normalize(images.to(device, non_blocking=cuda)), args.seconds)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure_loader(make_loader: Callable, post: Callable | None, seconds: float) -> float:
@@ -221,10 +250,19 @@ def measure_loader(make_loader: Callable, post: Callable | None, seconds: float)
         while number < 3 or time.perf_counter() - start < seconds:
             images += epoch(number)
             number += 1
+            _synchronize()
         return images / (time.perf_counter() - start)
     finally:
         loader = None  # stops persistent workers before the next pipeline starts
         gc.collect()
+
+
+def _synchronize() -> None:
+    """Wait for queued GPU work, so that it counts in the time."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def measure_decode(train_dir: Path, seconds: float) -> float:

@@ -30,7 +30,6 @@ import torch
 import labrun
 from labrun import export, inference
 from labrun.errors import LabrunError
-from labrun.serve import serving
 
 NUM_IMAGES = 16
 
@@ -47,6 +46,8 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
+    from labrun.serve import serving  # FastAPI: only for this benchmark, not for `labrun bench`
+
     if args.requests < 1 or args.clients < 1 or args.rounds < 1:
         raise LabrunError("--requests, --clients and --rounds must be 1 or more")
     with tempfile.TemporaryDirectory(prefix="labrun-bench-serve-") as tmp:

@@ -68,6 +68,7 @@ def run_checks(partition: str | None = None) -> list[Check]:
         ("bf16", check_bf16),
         ("nccl", check_nccl),
         ("turbojpeg", check_turbojpeg),
+        ("jpeg regions", check_jpeg_regions),
         ("h5py", check_h5py),
         ("wandb", check_wandb),
         ("slurm", None),  # started first, in the background: see below
@@ -335,6 +336,28 @@ def check_turbojpeg() -> Check:
     if decoded.shape != image.shape or np.abs(decoded.astype(int) - image).max() > 16:
         return Check("turbojpeg", FAILED, "encode/decode round trip is wrong", fix)
     return Check("turbojpeg", OK, "libturbojpeg loads, JPEG round trip ok")
+
+
+def check_jpeg_regions() -> Check:
+    """The compiled decoder that decodes only a training crop (labrun/data/_jpeg_region.c)."""
+    import numpy as np
+
+    from labrun.data import decode
+
+    if decode._decode_region is None:
+        return Check("jpeg regions", WARNING, "labrun's JPEG region decoder is not compiled: "
+                     "training decodes whole images (slower)",
+                     "apt install libjpeg62-turbo-dev gcc, then pip install -e . again")
+    if decode.turbojpeg_error() is not None:
+        return Check("jpeg regions", WARNING, "compiled, unused without libturbojpeg",
+                     "apt install libturbojpeg0")
+    image = np.tile(np.arange(96, dtype=np.uint8)[:, None, None] * 2, (1, 80, 3))
+    data = decode.encode_jpeg(image, quality=95)
+    full = decode.decode(data, "turbojpeg")
+    if not np.array_equal(decode.decode_region(data, 30, 20, 40, 50), full[30:70, 20:70]):
+        return Check("jpeg regions", FAILED, "a decoded region differs from the full decode",
+                     "pip install -e . again, against this machine's libjpeg-turbo")
+    return Check("jpeg regions", OK, "compiled; a decoded region equals the full decode")
 
 
 def check_h5py() -> Check:

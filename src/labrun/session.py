@@ -32,7 +32,7 @@ from labrun import checkpoint as ckpt
 from labrun.checkpoint import CheckpointManager
 from labrun.classification import eval_metrics, eval_sums, training_loss
 from labrun.data import Data
-from labrun.data.transforms import normalize_on_device
+from labrun.data.transforms import BatchNormalizer
 from labrun.distributed import Distributed, all_reduce_sum
 from labrun.errors import LabrunError, one_line
 from labrun.models import unwrap
@@ -112,8 +112,10 @@ class TrainingSession:
             enabled=self.autocast_dtype is torch.float16)
 
         shape = (1, -1, 1, 1)
-        self.mean = torch.tensor(list(cfg.dataset.mean), device=self.device).view(shape)
-        self.std = torch.tensor(list(cfg.dataset.std), device=self.device).view(shape)
+        # Each step is done with its batch before the next arrives: the buffer can be reused.
+        self.normalize = BatchNormalizer(
+            torch.tensor(list(cfg.dataset.mean), device=self.device).view(shape),
+            torch.tensor(list(cfg.dataset.std), device=self.device).view(shape))
 
         self.epoch = 0  # the epoch in progress (0-based)
         self.position = 0  # samples of this epoch's order already trained on, on this rank
@@ -278,7 +280,7 @@ class TrainingSession:
     def to_device(self, images: torch.Tensor, labels: torch.Tensor):
         non_blocking = self.device.type == "cuda"
         images = images.to(self.device, non_blocking=non_blocking)
-        images = normalize_on_device(images, self.mean, self.std)
+        images = self.normalize(images)
         return (images.contiguous(memory_format=self.memory_format),
                 labels.to(self.device, non_blocking=non_blocking))
 

@@ -107,8 +107,6 @@ class ImageDataset(Dataset):
 
     def __init__(self, source: ImageSource, transform: Callable, seed: int, split: str):
         self.source, self.transform, self.seed, self.split = source, transform, seed, split
-        # How small a JPEG may be decoded (DCT scaling) without losing detail the transform uses.
-        self.min_size = getattr(transform, "min_size", getattr(transform, "size", None))
 
     def __len__(self) -> int:
         return len(self.source)
@@ -117,13 +115,15 @@ class ImageDataset(Dataset):
         epoch, index = key
         rng = np.random.default_rng([self.seed, epoch, index])
         try:
-            image = self.source.load(index, self.min_size)
+            image = self.source.open(index)  # a JPEG is decoded by the transform, when it crops
             return self.transform(image, rng), int(self.source.labels[index])
         except DataError:
             raise
         except Exception as error:
+            hint = getattr(self.source, "hint", None)
             raise DataError(f"{self.split} sample {index} ({self.source.describe(index)}) "
-                            f"could not be loaded: {error}") from error
+                            f"could not be loaded: {error}" + (f"; {hint}" if hint else "")
+                            ) from error
 
 
 class EpochSampler(Sampler):

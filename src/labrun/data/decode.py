@@ -2,6 +2,7 @@
 
     decoder = resolve("turbojpeg")         # at start-up: checks the choice, falls back to pil
     image = decode(data, decoder, min_size)
+    image = open_image(data, decoder)      # for a transform: a JpegImage, decoded by crop()
 
 JPEG bytes go to the chosen decoder; anything else (PNG, BMP, WebP...) goes to Pillow, so every
 decoder reads every format. Grayscale, palette and CMYK images all come out as RGB.
@@ -10,6 +11,13 @@ TurboJPEG can decode straight to a reduced size (the scaled IDCT), which is fast
 `min_size`, it picks the smallest scale that keeps both sides >= min_size. Only 1/2, 1/4 and 1/8
 are offered because libjpeg-turbo has SIMD code for those alone; 3/4, 5/8 or 7/8 decode slower
 than full size (measured: 1/2 takes 0.8x the time of a full decode, 3/4 takes 1.3x).
+
+Training crops: a JpegImage is known by its header until the transform has chosen its crop;
+then crop() decodes only that rectangle (the compiled _jpeg_region module: rows below it are
+never read, rows above and columns beside it are not transformed), at the smallest fast DCT
+scale that keeps it at least as large as the transform's output. The pixels equal those of a
+full decode. Without the compiled module (no C compiler or libjpeg headers when labrun was
+installed), crop() decodes the whole image at that scale and slices it.
 
 Decoders are named by a string rather than held as objects, so sources pickle into DataLoader
 workers freely; the TurboJPEG library handle is created lazily in each process.
@@ -21,6 +29,7 @@ import functools
 import io
 import logging
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -33,6 +42,11 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 TURBOJPEG_PACKAGE = "libturbojpeg0"  # Debian/Ubuntu; macOS: brew install jpeg-turbo
 
 log = logging.getLogger(__name__)
+
+try:
+    from labrun.data._jpeg_region import decode_region as _decode_region
+except ImportError:  # not compiled at install time: JpegImage.crop decodes in full instead
+    _decode_region = None
 
 
 def resolve(name: str) -> str:
@@ -96,6 +110,78 @@ def decode_turbojpeg(data: bytes | np.ndarray, min_size: int | None = None) -> n
         except Exception:
             raise error from None  # TurboJPEG's reason is the more precise one
     return decode_pil(data)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: the bytes may be a numpy array
+class JpegImage:
+    """A JPEG that TurboJPEG decodes, known by its header until a transform crops it."""
+
+    data: bytes | np.ndarray
+    height: int
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.height, self.width, 3
+
+    def crop(self, top: int, left: int, height: int, width: int, min_size: int | None = None
+             ) -> np.ndarray:
+        """uint8 pixels of image[top:top + height, left:left + width]; smaller by a DCT scale
+        when both of its sides stay >= min_size."""
+        num, den = dct_scale(height, width, min_size) or (1, 1)
+        # The rectangle in the scaled image, whose sizes libjpeg-turbo rounds up.
+        y0, y1 = top * num // den, -(-(top + height) * num // den)
+        x0, x1 = left * num // den, -(-(left + width) * num // den)
+        try:
+            region = decode_region(self.data, y0, x0, y1 - y0, x1 - x0, den)
+        except (ValueError, OSError):
+            region = None
+        if region is None:  # damaged data: decoded, or refused, exactly as decode() would
+            return decode(self.data, "turbojpeg")[top:top + height, left:left + width]
+        return region
+
+
+def open_image(data: bytes | np.ndarray, decoder: str = "turbojpeg") -> np.ndarray | JpegImage:
+    """What a transform takes: a JpegImage if TurboJPEG is to decode `data`, else the pixels."""
+    if decoder == "turbojpeg" and is_jpeg(data) and bytes(data[-2:]) == b"\xff\xd9":
+        from turbojpeg import TJCS_CMYK, TJCS_YCCK
+
+        try:
+            width, height, _, colorspace = _turbojpeg().decode_header(data)
+        except OSError:
+            pass  # decode() below names the problem, or Pillow reads what TurboJPEG cannot
+        else:
+            if colorspace not in (TJCS_CMYK, TJCS_YCCK):
+                return JpegImage(data, height, width)
+    return decode(data, decoder)
+
+
+def decode_region(data: bytes | np.ndarray, top: int, left: int, height: int, width: int,
+                  scale_denom: int = 1) -> np.ndarray | None:
+    """uint8 height x width x 3 RGB: a rectangle of the JPEG decoded at 1/scale_denom, in that
+    scale's pixels; None when libjpeg-turbo warns that the data is damaged."""
+    decoded = (_decode_region or _decode_region_in_full)(data, top, left, height, width,
+                                                         scale_denom)
+    if decoded is None:
+        return None
+    pixels, row_start, row_width = decoded
+    rows = np.frombuffer(pixels, dtype=np.uint8).reshape(height, row_width, 3)
+    return rows[:, left - row_start:left - row_start + width]
+
+
+def _decode_region_in_full(data: bytes | np.ndarray, top: int, left: int, height: int,
+                           width: int, scale_denom: int) -> tuple[np.ndarray, int, int] | None:
+    """The compiled decode_region's contract, by decoding every row and column."""
+    from turbojpeg import TJPF_RGB
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            image = _turbojpeg().decode(data, pixel_format=TJPF_RGB, scaling_factor=(
+                (1, scale_denom) if scale_denom > 1 else None))
+        except UserWarning:
+            return None
+    return image[top:top + height], 0, image.shape[1]
 
 
 def decode_torchvision(data: bytes | np.ndarray) -> np.ndarray:

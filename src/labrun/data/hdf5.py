@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from labrun.data.decode import decode, resolve
+from labrun.data.decode import JpegImage, decode, open_image, resolve
 from labrun.errors import DataError
 
 FORMAT = 1
@@ -137,6 +138,8 @@ class HDF5Source:
         self.offsets, self.labels = index.splits[split].offsets, index.splits[split].labels
         self.class_names = index.class_names
         self.name = f"{self.path}:/{split}"
+        # Said with any error about a sample, also one that a transform meets when it decodes.
+        self.hint = f"check the file with `labrun convert --verify {self.path}`"
         self._file = self._data = self._pid = None
 
     def __len__(self) -> int:
@@ -154,14 +157,20 @@ class HDF5Source:
         return self._data[self.offsets[index]:self.offsets[index + 1]]
 
     def load(self, index: int, min_size: int | None = None) -> np.ndarray:
+        return self._decoded(index, lambda stored: decode(stored, self.decoder, min_size))
+
+    def open(self, index: int) -> np.ndarray | JpegImage:
+        return self._decoded(index, lambda stored: open_image(stored, self.decoder))
+
+    def _decoded(self, index: int, decode_stored: Callable) -> np.ndarray | JpegImage:
         stored = self.read(index)
         if self.shape is not None:
             return stored.reshape(self.shape)
         try:
-            return decode(stored, self.decoder, min_size)
+            return decode_stored(stored)
         except Exception as error:
-            raise DataError(f"{self.describe(index)} could not be decoded ({error}); check the "
-                            f"file with `labrun convert --verify {self.path}`") from error
+            raise DataError(f"{self.describe(index)} could not be decoded ({error}); "
+                            f"{self.hint}") from error
 
     def describe(self, index: int) -> str:
         return f"{self.path}: {self.split} sample {index}"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from labrun.data.decode import decode, resolve
+from labrun.data.decode import JpegImage, decode, open_image, resolve
 from labrun.errors import DataError
 
 SPLITS = ("train", "val", "test")
@@ -106,6 +106,9 @@ class FolderSource:
 
     def load(self, index: int, min_size: int | None = None) -> np.ndarray:
         return decode(self.path(index).read_bytes(), self.decoder, min_size)
+
+    def open(self, index: int) -> np.ndarray | JpegImage:
+        return open_image(self.path(index).read_bytes(), self.decoder)
 
     def describe(self, index: int) -> str:
         return str(self.path(index))

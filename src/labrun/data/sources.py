@@ -8,7 +8,10 @@ Every source has:
     __len__()
     load(i, min_size=None)   uint8 HxWx3 RGB; a decoder may return a smaller image (JPEG DCT
                              scaling) as long as both sides stay >= min_size
+    open(i)      what the transforms take: the pixels, or a JpegImage that decodes only the
+                 region a transform crops from it (labrun.data.decode)
     describe(i)  where image i comes from, for error messages ("digits/train[12]", a file path)
+    hint         optional: what to do about a sample that cannot be read, added to the error
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+
+from labrun.data.decode import JpegImage
 
 
 class ImageSource(Protocol):
@@ -26,6 +31,8 @@ class ImageSource(Protocol):
     def __len__(self) -> int: ...
 
     def load(self, index: int, min_size: int | None = None) -> np.ndarray: ...
+
+    def open(self, index: int) -> np.ndarray | JpegImage: ...
 
     def describe(self, index: int) -> str: ...
 
@@ -45,6 +52,8 @@ class ArraySource:
         image = self.images[index]
         return image if image.ndim == 3 else np.repeat(image[..., None], 3, axis=2)
 
+    open = load
+
     def describe(self, index: int) -> str:
         return f"{self.name}[{index}]"
 
@@ -56,12 +65,16 @@ class SubsetSource:
         self.source, self.indices, self.name = source, np.asarray(indices), name
         self.labels = source.labels[self.indices]
         self.class_names = source.class_names
+        self.hint = getattr(source, "hint", None)
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def load(self, index: int, min_size: int | None = None) -> np.ndarray:
         return self.source.load(int(self.indices[index]), min_size)
+
+    def open(self, index: int) -> np.ndarray | JpegImage:
+        return self.source.open(int(self.indices[index]))
 
     def describe(self, index: int) -> str:
         return self.source.describe(int(self.indices[index]))

@@ -27,6 +27,8 @@ class SyntheticSource:
         noise = rng.normal(0, 40, size=shape).astype(np.float32)
         return np.clip(self.colours[self.labels[index]] + noise, 0, 255).astype(np.uint8)
 
+    open = load
+
     def describe(self, index: int) -> str:
         return f"{self.name}[{index}]"
 
