@@ -1,4 +1,5 @@
-"""`labrun bench data`, shrunk to a smoke run: every pipeline runs and the JSON has the keys."""
+"""`labrun bench data` and `labrun bench trainer`, shrunk to smoke runs: every pipeline runs
+and the JSON has the keys."""
 
 from __future__ import annotations
 
@@ -36,3 +37,13 @@ def test_generated_photos_are_cached_deterministic_and_photo_sized(tmp_path):
         image = np.asarray(Image.open(path))
         assert all(256 <= side <= 512 for side in image.shape[:2])
         assert image.std() > 20  # content, not a flat colour
+
+
+def test_bench_trainer_runs_the_session_and_the_bare_loop_on_the_same_batches(tmp_path):
+    out = tmp_path / "trainer.json"
+    result = run_labrun("bench", "trainer", "--image-size", "32", "--batch-size", "4",
+                        "--steps", "2", "--rounds", "1", "--json", str(out))
+    figures = json.loads(out.read_text())
+    assert figures["bare"] > 0 and figures["session"] > 0
+    assert abs(figures["ratio"] - figures["session"] / figures["bare"]) < 1e-6
+    assert "TrainingSession" in result.stdout

@@ -106,7 +106,7 @@ def run_trainer(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         session = _session(args, Path(tmp))
         bare = torchvision.models.get_model(args.model, num_classes=10)  # the same, by hand
-        mean, std = session.mean, session.std
+        mean, std = session.normalize.mean, session.normalize.std
         session.train_loader = _InMemoryLoader(batches)
         session.steps_per_epoch = len(batches)
         best = {"bare": 0.0, "session": 0.0}
