@@ -120,3 +120,37 @@ def test_init_from_loads_weights_only(digits_run, tmp_path):
     assert summary["val/acc"] > 0.5
     from_scratch = read_summary(digits_run)["val/acc"]
     assert abs(summary["val/acc"] - from_scratch) < 0.1
+
+
+def test_a_terminal_gets_the_progress_bar_and_a_log_file_gets_lines(tmp_path):
+    """trainer.progress=auto: rich's live bar on a TTY (a real pseudo-terminal here)."""
+    import os
+    import pty
+    import re
+    import subprocess
+
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen([PYTHON, str(PROJECT / "train.py"), "logger=csv",
+                             "dataset.num_workers=0", "trainer.max_epochs=1",
+                             f"hydra.run.dir={tmp_path / 'tty'}"],
+                            cwd=PROJECT, stdin=terminal, stdout=terminal, stderr=terminal,
+                            env={**os.environ, "COLUMNS": "120", "TERM": "xterm-256color"})
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    assert proc.wait(timeout=120) == 0, shown.decode(errors="replace")[-2000:]
+    text = shown.decode(errors="replace")
+    assert "\x1b[?25l" in text and "━" in text  # a live display (cursor hidden) with a bar
+    assert re.search(r" (\d+)/\1 ", text) and "epoch 1/1: val/loss" in text  # N/N steps, val
+
+    piped = run_train("trainer.max_epochs=1", "trainer.progress=auto", run_dir=tmp_path / "pipe")
+    assert "\x1b[" not in piped.stdout and "━" not in piped.stdout
+    assert "epoch 1/1" in piped.stdout
