@@ -9,9 +9,10 @@ function, so a new one joins with one line and without touching the others.
 
 `data` compares, on the same JPEGs, the same train transform (RandomResizedCrop 224 + flip,
 normalised floats at the end), batch size and worker count, in one run:
-  1. baseline: torchvision ImageFolder + PIL + torchvision transforms, as a user writes it;
+  1. baseline: torchvision ImageFolder + PIL + torchvision transforms, as a user writes it
+     (its float batches are then copied to --device);
   2. imagefolder: labrun's Data.loader over the folder with TurboJPEG (uint8 batches), then
-     float + normalise in the main process as the session does (on the CPU here);
+     float + normalise on --device as the session does (a GPU if there is one);
   3. hdf5: the same from the file `labrun convert` writes;
   4. ceiling: TurboJPEG full-size decode of the same bytes alone, one core, times workers.
 Every pipeline runs a warm-up epoch, then whole epochs for at least --seconds; an epoch goes
