@@ -8,7 +8,9 @@
 MODEL is an exported .onnx or .pt file (with its metadata JSON), a run folder or a checkpoint
 (exported to ONNX in a temp folder first). Preprocessing is labrun.inference's, the same as
 validation. A bad request (no file, not an image, truncated, too big, a path as filename) gets a
-4xx answer with {"error": "..."} and never takes the server down.
+4xx answer with {"error": "..."} and never takes the server down. Request bodies stop at
+--max-upload-mb, and a client that has not sent a whole request head within --header-timeout
+seconds is disconnected (HeaderDeadlineProtocol), so slow clients cannot hold every connection.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from fastapi import FastAPI, File, HTTPException, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from labrun import inference
 from labrun.errors import LabrunError
@@ -38,9 +41,14 @@ MAX_BATCH_FILES = 64
 # Past this many open connections and tasks, uvicorn answers 503 instead of queueing more
 # uploads in memory.
 MAX_CONCURRENCY = 128
+# Seconds a client has to send a whole request head, from connecting or from the end of its
+# previous answer. Without a deadline (uvicorn has none), 128 clients trickling header bytes
+# (slowloris) would hold every connection slot and everyone else would get 503.
+HEADER_TIMEOUT_S = 10.0
 TopK = Annotated[int, Query(ge=1, le=1000, description="how many classes to return")]
 ENV_MODEL, ENV_MAX_BYTES, ENV_THREADS = ("LABRUN_SERVE_MODEL", "LABRUN_SERVE_MAX_UPLOAD_BYTES",
                                          "LABRUN_SERVE_THREADS")
+ENV_HEADER_TIMEOUT = "LABRUN_SERVE_HEADER_TIMEOUT_S"
 
 
 def configure(parser) -> None:
@@ -52,6 +60,9 @@ def configure(parser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="server processes (default 1)")
     parser.add_argument("--max-upload-mb", type=float, default=10.0,
                         help="largest request body accepted, in MB (default 10)")
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+                        help="seconds a client has to send a request's headers before it is "
+                             f"disconnected (default {HEADER_TIMEOUT_S:.0f})")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
 
@@ -63,6 +74,8 @@ def run(args) -> int:
         raise LabrunError(f"--workers={args.workers} must be 1 or more")
     if args.max_upload_mb <= 0:
         raise LabrunError(f"--max-upload-mb={args.max_upload_mb} must be greater than 0")
+    if args.header_timeout <= 0:
+        raise LabrunError(f"--header-timeout={args.header_timeout} must be greater than 0")
     check_port(args.host, args.port)
     max_bytes = int(args.max_upload_mb * 2**20)
     threads = inference.default_threads(args.workers)
@@ -75,8 +88,9 @@ def run(args) -> int:
         print(f"serving {args.model} ({meta['format']}, {predictor.num_classes} classes, "
               f"{meta['image_size']} px) on http://{args.host}:{args.port}  "
               f"POST /predict, POST /predict/batch, GET /health, GET /metadata", flush=True)
+        os.environ[ENV_HEADER_TIMEOUT] = str(args.header_timeout)  # for every worker process
         common = dict(host=args.host, port=args.port, log_level=args.log_level,
-                      limit_concurrency=MAX_CONCURRENCY)
+                      limit_concurrency=MAX_CONCURRENCY, http=HeaderDeadlineProtocol)
         if args.workers == 1:
             uvicorn.run(create_app(predictor, max_bytes), **common)
         else:
@@ -89,6 +103,51 @@ def run(args) -> int:
     finally:
         inference.remove_folder(tmp)
     return 0
+
+
+class HeaderDeadlineProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, plus a deadline for each request head (HEADER_TIMEOUT_S).
+
+    The deadline starts when the connection opens, or when the first byte of a next request on
+    a kept-alive connection arrives (uvicorn's keep-alive timeout covers the silence before it),
+    and ends when h11 has the whole head, which is when uvicorn starts a new request cycle.
+    A slow body is the upload limit's business, not this deadline's.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = float(os.environ.get(ENV_HEADER_TIMEOUT, HEADER_TIMEOUT_S))
+        self.head_deadline: Any = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._start_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:  # these bytes begin a request head
+            self._start_deadline()
+        super().data_received(data)
+        if self.cycle is not cycle:  # the head is complete: a new request cycle began
+            self._stop_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_deadline()
+        super().connection_lost(exc)
+
+    def _start_deadline(self) -> None:
+        if self.head_deadline is None:
+            self.head_deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
+
+    def _stop_deadline(self) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
+
+    def _too_slow(self) -> None:
+        self.head_deadline = None
+        if self.cycle is None or self.cycle.response_complete:  # still no whole head
+            self.transport.close()
 
 
 def app_from_env():

@@ -1,7 +1,7 @@
 """`labrun serve` under hostile clients: a real server process on a free 127.0.0.1 port serving an
 ONNX export of the digits run, fed exactly the bytes a hostile client would send (raw sockets):
-path-like upload filenames, huge headers, 20 slow uploads at once, and chunked bodies over the
-upload limit. Each trial records what it sent and what came back (status, how many bytes the
+path-like upload filenames, huge headers, 20 slow uploads at once, chunked bodies over the
+upload limit, and 128 clients that never finish their request heads (slowloris). Each trial records what it sent and what came back (status, how many bytes the
 server took, the server's RSS from /proc), and the server must answer /health after each."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from PIL import Image
 
 from conftest import run_labrun
 from labrun.data import digits
-from labrun.serve import serving
+from labrun.serve import MAX_CONCURRENCY, serving
 
 pytestmark = pytest.mark.timeout(300)  # the first test may train the session's digits run
 
@@ -551,3 +551,41 @@ def test_chunked_body_over_the_limit_is_cut_off(server, jpeg, fault):
         "however long, past --max-upload-mb; the fix (UploadLimit adds `connection: close` "
         "to an answer sent before the body was read to its end) is in the report. "
         f"Failures: {failures}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Clients that never finish their request heads
+
+
+def test_clients_that_trickle_their_headers_are_disconnected(server, fault, tmp_path):
+    """Slowloris: as many connections as the server takes, each sending one more header byte
+    every half second and never the blank line. A second server, with --header-timeout 2,
+    must close them all, and answer /health again afterwards."""
+    record = fault("server: slowloris (128 unfinished request heads)")
+    model = server.sandbox.parent / "run" / "export" / "best.onnx"
+    with serving(model, tmp_path / "server.log",
+                 args=("--header-timeout", "2", "--log-level", "warning")) as served:
+        clients = [Raw(served.port) for _ in range(MAX_CONCURRENCY)]
+        try:
+            for client in clients:
+                client.send(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            started = time.monotonic()
+            while time.monotonic() - started < 15 and not all(c.eof for c in clients):
+                for client in clients:
+                    if client.readable():
+                        client.closed_by_server(timeout=0.01)  # reads to the end, or to now
+                    if not client.eof:
+                        client.send(b"x")  # trickling does not move the deadline
+                time.sleep(0.5)
+            waited = time.monotonic() - started
+            closed = sum(c.eof for c in clients)
+            answers = [c.buffer for c in clients if c.buffer]
+            healthy = httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+        finally:
+            for client in clients:
+                client.sock.close()
+    ok = closed == len(clients) and not answers and healthy
+    record.trial(ok, note=f"{closed} of {len(clients)} closed by the server after {waited:.1f} s "
+                          f"(deadline 2 s), {len(answers)} answered; then /health "
+                          f"{'200' if healthy else 'failed'}")
+    assert ok, (closed, answers[:3], healthy)
