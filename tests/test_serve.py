@@ -72,6 +72,25 @@ def test_health_and_metadata(server):
     assert meta["class_names"] == [str(d) for d in range(10)] and meta["image_size"] == 32
 
 
+def test_the_server_decodes_jpegs_no_smaller_than_the_val_resize_needs(onnx_model):
+    """The digits run validates at 32 px after resizing the short side to 37 (32 / 0.875): a
+    70 px JPEG must not be DCT-decoded to 35 px and upscaled, and the result stays the val
+    loader's input (which decodes only the centre crop) within rounding."""
+    from labrun.data.decode import open_image
+
+    predictor = inference.Predictor(onnx_model)
+    rng = np.random.default_rng(0)
+    for (height, width), decoded in (((70, 90), (70, 90)), ((90, 76), (45, 38)),
+                                     ((40, 50), (40, 50))):
+        image = cv2.GaussianBlur(rng.integers(0, 256, (height, width, 3), dtype=np.uint8),
+                                 (0, 0), 2)
+        jpeg = cv2.imencode(".jpg", image)[1].tobytes()
+        assert predictor.decode(jpeg).shape[:2] == decoded
+        served = predictor.preprocess(predictor.decode(jpeg)).int()
+        loader = predictor.transform(open_image(jpeg, "turbojpeg")).int()
+        assert (served - loader).abs().float().mean() < 4  # the crops round differently
+
+
 def test_predictions_match_the_offline_predictor(server, onnx_model, jpegs):
     predictor = inference.Predictor(onnx_model)
     correct = 0

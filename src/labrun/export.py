@@ -324,7 +324,7 @@ def validation_images(dataset: dict[str, Any], prep: Preprocessing
     transform = ValTransform(prep.image_size, prep.val_resize_ratio)
     # Spread over the split rather than its first images, which may all share one class.
     indices = np.unique(np.linspace(0, len(source) - 1, PARITY_IMAGES).round().astype(int))
-    images = torch.stack([transform(source.load(int(i), prep.image_size)) for i in indices])
+    images = torch.stack([transform(source.open(int(i))) for i in indices])  # as the val loader
     return images, f"{len(indices)} validation images of {source.name}"
 
 

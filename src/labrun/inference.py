@@ -171,8 +171,8 @@ class Predictor:
 
     def decode(self, data: bytes) -> np.ndarray:
         """Image bytes -> uint8 HxWx3, with the run's decoder, as its val loader decodes them
-        (the validation transform's size is the smallest size a JPEG may be decoded at)."""
-        return decode_image(data, self.decoder, self.transform.size)
+        (a JPEG may be decoded smaller, down to the short side the validation resize keeps)."""
+        return decode_image(data, self.decoder, self.transform.min_size)
 
     def preprocess(self, image: np.ndarray) -> torch.Tensor:
         """uint8 HxWx3 -> uint8 3xSxS: the validation resize and centre crop."""

@@ -136,10 +136,6 @@ def as_rgb(image: Image) -> Image:
     return np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image
 
 
-def to_chw(image: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
-
-
 def normalize_on_device(batch: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
                         dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
                         ) -> torch.Tensor:
