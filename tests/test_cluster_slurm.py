@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, LABRUN, PROJECT, PYTHON, read_metrics, read_summary
+from conftest import (
+    FAST,
+    LABRUN,
+    PROJECT,
+    PYTHON,
+    assert_identical,
+    read_metrics,
+    read_summary,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -57,27 +66,20 @@ def sacct_state(job_id: str) -> str:
     return out[0] if out else "UNKNOWN"
 
 
-def wait_for(path: Path, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert time.time() < deadline, f"{path} never appeared"
-        time.sleep(0.2)
-
-
 def test_three_job_sweep_is_one_array_and_runs_the_snapshot(tmp_path):
     result = run_sweep(tmp_path, "trainer.max_epochs=1", "trainer.limit_train_batches=3",
                        "optimizer.lr=0.001,0.003,0.01")
     assert result.returncode == 0, result.stdout + result.stderr
     ids = [job["job_id"] for job in manifest(tmp_path)["jobs"]]
-    array = {i.split("_")[0] for i in ids}
-    assert len(array) == 1 and sorted(i.split("_")[1] for i in ids) == ["0", "1", "2"]
+    [array_id] = {i.split("_")[0] for i in ids}  # one array
+    assert sorted(i.split("_")[1] for i in ids) == ["0", "1", "2"]
     for num in range(3):
         run = tmp_path / str(num)
         assert read_summary(run)["status"] == "completed"
         assert {"metrics.jsonl", "summary.json", "checkpoints", "provenance", ".hydra"} <= {
             p.name for p in run.iterdir()}
         env = json.loads((run / "provenance" / "environment.json").read_text())
-        assert env["slurm"]["SLURM_ARRAY_JOB_ID"] == array.pop() if num == 0 else True
+        assert env["slurm"]["SLURM_ARRAY_JOB_ID"] == array_id
         # The job imported labrun from the snapshot taken at submission, not the working tree,
         # and recorded the commit the snapshot was taken from.
         assert env["labrun"].startswith(str(tmp_path / ".code"))
@@ -142,7 +144,7 @@ def test_preempted_job_requeues_and_ends_with_identical_weights(tmp_path):
                  "checkpoint.every_n_steps=5", "+variant=plain,preempted"]
     proc = subprocess.Popen(sweep_args(tmp_path, *overrides), cwd=PROJECT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(tmp_path / "1" / "checkpoints" / "step-00000010.pt")
+    wait_for(tmp_path / "1" / "checkpoints" / "step-00000010.pt", proc, timeout=180)
     job_id = manifest(tmp_path)["jobs"][1]["job_id"]
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     output, _ = proc.communicate(timeout=300)
@@ -151,7 +153,7 @@ def test_preempted_job_requeues_and_ends_with_identical_weights(tmp_path):
     assert "SIGUSR2" in log and "resuming from" in log  # it was requeued, then resumed
     plain = torch.load(tmp_path / "0/checkpoints/last.pt", weights_only=True)["model"]
     preempted = torch.load(tmp_path / "1/checkpoints/last.pt", weights_only=True)["model"]
-    assert all(torch.equal(plain[k], preempted[k]) for k in plain)
+    assert_identical(preempted, plain)
     steps = [p["step"] for p in read_metrics(tmp_path / "1") if "train/loss" in p]
     assert len(steps) == len(set(steps))
 
@@ -160,8 +162,8 @@ def test_ctrl_c_cancels_the_sweeps_jobs(tmp_path):
     proc = subprocess.Popen(sweep_args(tmp_path, "trainer.max_epochs=50", "optimizer.lr=0.1,0.2"),
                             cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    wait_for(tmp_path / "jobs.json")
-    wait_for(tmp_path / "0" / "summary.json")  # running
+    wait_for(tmp_path / "jobs.json", proc, timeout=180)
+    wait_for(tmp_path / "0" / "summary.json", proc, timeout=180)  # running
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
     assert "cancelling the sweep's 2 jobs" in output

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from labrun.data.convert import cpu_count
 from labrun.errors import ConfigError, LabrunError
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -63,6 +64,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"== labrun bench {name}", flush=True)
         worst = max(worst, run_bench(defaults.parse_args([])) or 0)
     return worst
+
+
+def write_json(path: str | os.PathLike | None, figures: dict) -> None:
+    """--json FILE: the figures of a benchmark, for scripts and CI to read."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 def _bench(name: str) -> tuple[Callable, Callable]:
@@ -131,7 +139,7 @@ def run_data(args: argparse.Namespace) -> int:
         from labrun.data.convert import convert
 
         console.print(f"converting {root} -> {h5_path}", highlight=False)
-        convert(str(root), str(h5_path), workers=_cores(), force=True, console=Console(quiet=True))
+        convert(str(root), str(h5_path), workers=cpu_count(), force=True, console=Console(quiet=True))
     train_dir = root / "train" if (root / "train").is_dir() else root
 
     pipelines: dict[str, Callable[[], float]] = {
@@ -146,7 +154,7 @@ def run_data(args: argparse.Namespace) -> int:
     }
     console.print(f"labrun bench data: {described}\nRandomResizedCrop {args.size} + flip + "
                   f"normalised floats on {device}, batch {args.batch_size}, {args.workers} "
-                  f"workers, {_cores()} cores, best of {args.rounds} round(s)", highlight=False)
+                  f"workers, {cpu_count()} cores, best of {args.rounds} round(s)", highlight=False)
     results = dict.fromkeys(pipelines, 0.0)
     for round_number in range(args.rounds):
         for name, measure in pipelines.items():
@@ -156,10 +164,7 @@ def run_data(args: argparse.Namespace) -> int:
     results["speedup"] = results["hdf5"] / results["baseline"]
     results["of_ceiling"] = results["hdf5"] / results["ceiling"]
     print_data_results(console, results, args.workers)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({k: round(v, 3) for k, v in results.items()},
-                                              indent=2) + "\n")
+    write_json(args.json, {k: round(v, 3) for k, v in results.items()})
     return 0
 
 
@@ -285,10 +290,6 @@ def measure_decode(train_dir: Path, seconds: float) -> float:
     return count / (time.perf_counter() - start)
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 # ---------------------------------------------------------------------------------------------
 # Photo-like test images
 
@@ -309,7 +310,7 @@ def generate_photos(work_dir: Path, count: int, seed: int = 0, classes: int = 10
              for i in range(max(classes, count // 10))]
     for path, _, _ in jobs:
         path.parent.mkdir(parents=True, exist_ok=True)
-    with ProcessPoolExecutor(_cores()) as pool:
+    with ProcessPoolExecutor(cpu_count()) as pool:
         list(pool.map(_write_photo, jobs, chunksize=32))
     (partial / ".complete").touch()
     shutil.rmtree(root, ignore_errors=True)

@@ -13,7 +13,6 @@ and server share this machine's cores, as they do in any loopback measurement.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ import torch
 
 import labrun
 from labrun import export, inference
+from labrun.bench import write_json
 from labrun.errors import LabrunError
 
 NUM_IMAGES = 16
@@ -95,9 +95,7 @@ def run(args) -> int:
     print(f"  onnxruntime direct  {direct['per_s']:7.1f} calls/s  p50 {direct['p50_ms']:6.1f} ms"
           f"  p99 {direct['p99_ms']:6.1f} ms")
     print(f"  ratio served/direct {result['ratio']:.2f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0 if served["errors"] == 0 else 1
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torchvision
 
+from labrun.bench import write_json
+
 PROJECT = Path(__file__).resolve().parents[2]
 
 
@@ -122,7 +124,7 @@ def run_trainer(args: argparse.Namespace) -> int:
     print(f"  bare PyTorch loop   {best['bare']:8.1f} images/s")
     print(f"  TrainingSession     {best['session']:8.1f} images/s")
     print(f"  ratio               {ratio:8.3f}   (target >= 0.97)")
-    _write_json(args.json, {"bare": best["bare"], "session": best["session"], "ratio": ratio})
+    write_json(args.json, {"bare": best["bare"], "session": best["session"], "ratio": ratio})
     return 0
 
 
@@ -155,12 +157,6 @@ def run_startup(args: argparse.Namespace) -> int:
     print(f"  python -c 'import torch, torchvision'   {min(imports):6.2f} s")
     print(f"  python train.py to its first step        {min(first_step):6.2f} s")
     print(f"  difference                               {extra:6.2f} s   (target < 1.5 s)")
-    _write_json(args.json, {"import_torch_s": min(imports), "first_step_s": min(first_step),
+    write_json(args.json, {"import_torch_s": min(imports), "first_step_s": min(first_step),
                             "difference_s": extra})
     return 0
-
-
-def _write_json(path: str | None, data: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")

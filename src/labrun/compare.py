@@ -295,11 +295,16 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+def is_numeric(column: str) -> bool:
+    """Columns of numbers, right-aligned in the table and the Markdown."""
+    return column.startswith(("best ", "final ")) or column in ("epochs", "time")
+
+
 def print_table(title: str, columns: list[str], rows: list[list[Any]], runs: list[Run]) -> None:
     view = Table(title=title, title_justify="left")
     for column in columns:
-        numeric = column.startswith(("best ", "final ")) or column in ("epochs", "time")
-        view.add_column(column, justify="right" if numeric else "left", overflow="fold")
+        view.add_column(column, justify="right" if is_numeric(column) else "left",
+                        overflow="fold")
     status_at = columns.index("status")
     for row in rows:
         cells = [escape(fmt(value, column)) for value, column in zip(row, columns, strict=True)]
@@ -329,8 +334,7 @@ def write_markdown(path: Path, title: str, columns: list[str], rows: list[list[A
     def cell(text: str) -> str:
         return text.replace("|", r"\|")
 
-    right = {i for i, c in enumerate(columns) if c.startswith(("best ", "final ")) or
-             c in ("epochs", "time")}
+    right = {i for i, c in enumerate(columns) if is_numeric(c)}
     lines = [f"**{title}**", "",
              "| " + " | ".join(cell(c) for c in columns) + " |",
              "| " + " | ".join("---:" if i in right else "---" for i in range(len(columns))) + " |"]

@@ -411,20 +411,16 @@ def _fill(cfg: DictConfig, key: str, placeholder: str) -> None:
         pass  # not a string (a required number): validate() does not read those
 
 
-_NOT_IMPORTABLE: dict[str, str | None] = {}  # _target_ -> why it cannot be imported, or None
-
-
 def _target_problems(cfg: DictConfig, sources: Sources) -> list[Problem]:
     problems = []
     for key, target in _targets(cfg, ""):
-        if target not in _NOT_IMPORTABLE:
-            _NOT_IMPORTABLE[target] = _why_not_importable(target)
-        if _NOT_IMPORTABLE[target]:
-            why = _NOT_IMPORTABLE[target]
+        why = _why_not_importable(target)
+        if why:
             problems.append(Problem(sources.owner(key), key, f"{target} cannot be imported: {why}"))
     return problems
 
 
+@functools.cache  # each _target_ is imported once per process, however many files name it
 def _why_not_importable(target: str) -> str | None:
     """None when `target` imports (what Hydra's instantiate will do), else the reason."""
     try:

@@ -83,11 +83,10 @@ def _master_port() -> str:
     return str(20000 + int(job_id) % 20000)
 
 
-def setup(trainer: DictConfig, settings: DictConfig | None = None) -> Distributed:
+def setup(trainer: DictConfig, settings: DictConfig) -> Distributed:
     """This process's rank and device; the process group when there are several ranks.
     `settings` is the `distributed` config (backend, timeout_s)."""
-    backend = settings.backend if settings is not None else "auto"
-    timeout_s = settings.timeout_s if settings is not None else 1800
+    backend, timeout_s = settings.backend, settings.timeout_s
     rank, local_rank, world_size = _from_environment()
     device = pick_device(trainer.accelerator, local_rank)
     if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:

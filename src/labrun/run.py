@@ -81,8 +81,8 @@ def record_rank_failure(run_dir: Path, rank: int, error: BaseException) -> None:
     the scheduler saw the job end well."""
     folder = run_dir / "errors"
     folder.mkdir(parents=True, exist_ok=True)
-    line = (str(error).strip().splitlines() or [""])[0]
-    (folder / f"rank-{rank}.txt").write_text(f"rank {rank}: {type(error).__name__}: {line}\n")
+    (folder / f"rank-{rank}.txt").write_text(
+        f"rank {rank}: {type(error).__name__}: {one_line(error)}\n")
 
 
 def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any]

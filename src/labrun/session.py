@@ -297,8 +297,8 @@ class TrainingSession:
 
     def _window_metrics(self, window: _Window) -> dict[str, float]:
         elapsed = max(time.perf_counter() - window.start, 1e-9)
-        loss = all_reduce_sum(window.loss.clone()) / self.dist.world_size
-        return {"train/loss": loss.item() / max(window.steps, 1),
+        # Each step's loss is already the mean over ranks (train_step), the same on every rank.
+        return {"train/loss": window.loss.item() / max(window.steps, 1),
                 "train/lr": self.optimizer.param_groups[0]["lr"],
                 "perf/images_per_s": window.samples / elapsed,
                 "perf/data_wait_frac": window.wait / elapsed}
@@ -377,8 +377,7 @@ class TrainingSession:
         return bool(signum)
 
     def _stop_if_signalled(self) -> None:
-        if self.stop_signal is None:
-            return
+        """Called once _stop_requested() has agreed on a signal."""
         name = signal.Signals(self.stop_signal).name
         if self.stop_signal == signal.SIGUSR2 and callable(self._requeue_handler):
             self.progress.message(f"{name} at step {self.step}: checkpoint saved, requeueing")
@@ -421,8 +420,7 @@ class TrainingSession:
         if self.auto_micro and state["data"]["micro_batch_size"] != self.micro:
             self.micro = state["data"]["micro_batch_size"]  # keep what fitted in memory
             self.train_loader = self._train_loader()
-        set_rng_state(state["rng"])
-        self.folder.truncate_after(self.step)
+        set_rng_state(state["rng"])  # run.py has cut metrics.jsonl back to this step already
         self.folder.summary.update({f"best/{self.cfg.checkpoint.monitor}": self.best})
 
 

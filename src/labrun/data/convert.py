@@ -46,7 +46,7 @@ from rich.table import Table
 from labrun.data import hdf5, imagefolder
 from labrun.data.decode import decode, encode_jpeg, is_jpeg, resolve
 from labrun.data.transforms import ValTransform
-from labrun.errors import DataError, LabrunError
+from labrun.errors import DataError, LabrunError, one_line
 
 COPY_BLOCK = 64 << 20  # bytes per write when copying a spool into the HDF5 file
 MAX_LISTED = 20  # verify: failing samples listed before "and N more"
@@ -68,7 +68,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, metavar="N",
                         help="raw: resize the short side to N and centre-crop N x N (default: "
                              "all images must already share one size)")
-    parser.add_argument("--workers", type=int, default=_cpu_count(), metavar="N",
+    parser.add_argument("--workers", type=int, default=cpu_count(), metavar="N",
                         help="encoding processes (default: the usable cores)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT.h5 if it exists")
     parser.add_argument("--strict", action="store_true",
@@ -138,7 +138,7 @@ def encode_file(path: str, options: Options, decoder: str) -> Encoded:
             image = _shrink(image, options.max_side)
         return Encoded(encode_jpeg(image, options.quality), reencoded=True)
     except Exception as error:  # any failure means the same thing here: skip or stop
-        return Encoded(None, error=(str(error).strip().splitlines() or [type(error).__name__])[0])
+        return Encoded(None, error=one_line(error))
 
 
 def _jpeg_mode(data: bytes) -> str:
@@ -335,7 +335,7 @@ def _check_samples(path: str, split: str, decoder: str, indices: range
             if source.shape is None:
                 decode(stored, source.decoder)
         except Exception as error:
-            errors.append((i, (str(error).strip().splitlines() or [type(error).__name__])[0]))
+            errors.append((i, one_line(error)))
     return errors
 
 
@@ -374,5 +374,6 @@ def _progress(console: Console) -> Progress:
                     disable=not console.is_terminal)
 
 
-def _cpu_count() -> int:
+def cpu_count() -> int:
+    """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -125,7 +125,7 @@ def write_manifest(sweep_dir: Path, backend: str, jobs: list[Job], **extra: Any)
     rows.update({job.num: {k: v for k, v in asdict(job).items() if k != "config"}
                  for job in jobs})
     data = {"backend": backend, "jobs": [rows[num] for num in sorted(rows)], **extra}
-    (sweep_dir / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def read_manifest(sweep_dir: Path) -> dict[str, Any]:
