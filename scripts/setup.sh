@@ -14,6 +14,8 @@ command -v cc >/dev/null || missing+=(gcc libc6-dev)
 PYTHON=${PYTHON:-python3}
 [ -e "$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] \
     || missing+=(python3-dev)
+# Debian splits venv (and the ensurepip it needs) out of python3.
+"$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing ${missing[*]} (apt)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

@@ -29,7 +29,10 @@ def test_doctor_json_has_every_check_and_never_prints_the_key():
         assert c["status"] in ("ok", "warning", "failed") and c["detail"], c
         assert c["status"] == "ok" or c["fix"], f"{c['check']} has no fix line"
     assert SECRET not in result.stdout + result.stderr
-    assert by_name["wandb"]["status"] == "ok"
+    # A key in the environment was never checked against the server: doctor must not call it
+    # "logged in" (it did before).
+    assert by_name["wandb"]["detail"] == "key set (WANDB_API_KEY), not verified"
+    assert "logged in" not in by_name["wandb"]["detail"]
 
     # The partition asked for does not exist (or SLURM cannot be asked): a failure, exit 1.
     assert by_name["slurm partition"]["status"] == "failed"

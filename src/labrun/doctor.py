@@ -386,7 +386,10 @@ def check_wandb() -> Check:
     if mode in ("offline", "dryrun", "disabled"):
         return Check("wandb", OK, f"WANDB_MODE={mode}: runs stay local (wandb sync later)")
     if os.environ.get("WANDB_API_KEY"):
-        return Check("wandb", OK, "logged in (WANDB_API_KEY is set)")
+        # Only the server can tell whether the key is valid, and doctor contacts no server:
+        # a set key is reported as exactly that, never as "logged in".
+        return Check("wandb", WARNING, "key set (WANDB_API_KEY), not verified",
+                     "wandb login --verify checks the key against the server")
     from labrun.tracking import wandb_host
 
     host = wandb_host()
