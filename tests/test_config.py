@@ -3,11 +3,15 @@ ends in one line naming the key and the fix (exit 2, no traceback)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from conftest import PROJECT, run_train
 from labrun import config
@@ -98,7 +102,8 @@ def test_config_mistake_gives_one_clear_line(mistake, tmp_path):
 
 @pytest.mark.parametrize("overrides", [["optimizer.lr=abc"], ["model=resnet5"],
                                        ["optimizer.lr=-0.1"],
-                                       ["dataset=imagefolder", "dataset.root=/no/such/dir"]])
+                                       ["dataset=imagefolder", "dataset.root=/no/such/dir"],
+                                       ["+checkpoint.keep_lst=2"]])
 def test_the_real_command_exits_2_with_one_line(overrides, tmp_path):
     result = run_train(*overrides, run_dir=tmp_path / "run", check=False)
     assert result.returncode == 2
@@ -112,3 +117,81 @@ def test_hydra_full_error_shows_the_traceback(tmp_path):
     result = run_train("optimizer.lr=-0.1", run_dir=tmp_path / "run", check=False,
                        env={"HYDRA_FULL_ERROR": "1"})
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+# Keys added with `+`: Hydra adds them even to a typed section, where nothing would read them.
+# Each section's schema says which new keys it takes (labrun.config.NewKeys).
+NEW_KEY_MISTAKES = {
+    "typo in trainer": (["+trainer.max_epoch=3"], "trainer.max_epoch: no such key in trainer",
+                        "did you mean trainer.max_epochs?"),
+    "typo in checkpoint": (["+checkpoint.keep_lst=2"], "checkpoint.keep_lst: no such key in "
+                           "checkpoint", "did you mean checkpoint.keep_last?"),
+    "nothing close": (["+trainer.x=1"], "trainer.x: no such key in trainer", "max_epochs"),
+    "nested section": (["+dataset.augment.hflp=false"], "dataset.augment.hflp: no such key in "
+                       "dataset.augment", "did you mean dataset.augment.hflip?"),
+    "group without a target": (["+paths.data_dri=/data"], "paths.data_dri: no such key in paths",
+                               "did you mean paths.data_dir?"),
+    "optimizer argument": (["+optimizer.lrr=0.1"], "torch.optim.AdamW takes no argument lrr",
+                           "did you mean optimizer.lr?"),
+    "model argument": (["+model.widht=64"], "labrun.models.SimpleCNN takes no argument widht",
+                       "did you mean model.width?"),
+    "schedule argument": (["schedule=step", "+schedule.gama=0.5"],
+                          "labrun.schedules.step takes no argument gama",
+                          "did you mean schedule.gamma?"),
+    "argument of another model": (["model=resnet18", "+model.width=64"],
+                                  "labrun.models.torchvision_model takes no argument width",
+                                  "model.width"),
+}
+
+
+@pytest.mark.parametrize("mistake", NEW_KEY_MISTAKES, ids=list(NEW_KEY_MISTAKES))
+def test_a_new_key_nothing_reads_is_refused(mistake, tmp_path):
+    overrides, names_key_and_section, hint = NEW_KEY_MISTAKES[mistake]
+    message = error_line(overrides, tmp_path)
+    assert names_key_and_section in message and hint in message, message
+
+
+def takes_anything(num_classes: int, **kwargs):
+    """A model factory with **kwargs: its section takes any new key (see the test below)."""
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["+tag=x"], "tag"),  # the root is open: runs are tagged this way
+    (["+wandb.api_key=abc"], "wandb.api_key"),  # and so is a section added at the root
+    (["+cluster.env.OMP_NUM_THREADS=2"], "cluster.env.OMP_NUM_THREADS"),  # a mapping field
+    (["+optimizer.amsgrad=true"], "optimizer.amsgrad"),  # an argument of torch.optim.AdamW
+    (["optimizer=sgd", "+optimizer.dampening=0.1"], "optimizer.dampening"),
+    (["model._target_=test_config.takes_anything", "+model.depth=3"], "model.depth"),
+])
+def test_a_new_key_something_reads_is_accepted(overrides, key):
+    cfg = compose_checked(overrides)
+    assert OmegaConf.select(cfg, key) is not None
+
+
+def test_an_accepted_target_argument_reaches_the_target():
+    cfg = compose_checked(["+optimizer.amsgrad=true", "+optimizer.maximize=true"])
+    optimizer = instantiate(cfg.optimizer)([torch.nn.Parameter(torch.zeros(1))])
+    assert optimizer.defaults["amsgrad"] is True and optimizer.defaults["maximize"] is True
+
+
+def test_every_target_schema_checks_new_keys_against_its_target():
+    # "Any section chosen by _target_": a schema with a _target_ field must be marked TARGET,
+    # or a misspelled argument would be refused (CLOSED) or pass unread (OPEN).
+    with_target = [schema for schema in config.SCHEMAS.values()
+                   if "_target_" in {f.name for f in dataclasses.fields(schema)}]
+    assert with_target, "no schema has a _target_ field any more: update this test"
+    for schema in with_target:
+        assert schema.new_keys is config.NewKeys.TARGET, schema.__name__
+
+
+@pytest.mark.parametrize("override, advises_plus", [
+    ("trainer.max_epoch=3", False),  # trainer takes no new keys: `+` would be refused too
+    ("optimizer.lrr=0.1", False),  # neither does AdamW take lrr
+    ("optimizer.amsgrad=true", True),  # but it takes amsgrad: add it with `+`
+    ("tag=x", True),  # and the root takes any key
+])
+def test_a_missing_plus_is_advised_only_where_the_key_would_be_taken(override, advises_plus,
+                                                                    tmp_path):
+    message = error_line([override], tmp_path)
+    key = override.split("=")[0]
+    assert ("add a new key with +" + key in message) is advises_plus, message

@@ -15,8 +15,10 @@ import sys
 from collections.abc import Callable
 
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from labrun.config import new_key_problem
 from labrun.errors import LabrunError, one_line
 
 EXIT_USER_ERROR = 2
@@ -77,8 +79,13 @@ def user_error_message(error: BaseException) -> str | None:
     if isinstance(error, MissingConfigException):
         return _missing_option(error)
     if isinstance(error, ConfigCompositionException):
-        cause = error.__cause__
+        # Hydra chains OmegaConf's error as the cause when an override fails, but only as the
+        # context when a config file does not fit its schema ("In 'local/default': ...").
+        cause = error.__cause__ or error.__context__
         if isinstance(cause, OmegaConfBaseException):
+            source = re.match(r"In '([^']+)'", str(error))
+            if source:
+                return f"{source.group(1)}.yaml: {_omegaconf_message(cause, '', in_file=True)}"
             return _omegaconf_message(cause, str(error))
         return _first_line(str(error))
     if isinstance(error, OmegaConfBaseException):
@@ -106,7 +113,9 @@ def _missing_option(error: MissingConfigException) -> str:
     return _first_line(str(error))
 
 
-def _omegaconf_message(error: OmegaConfBaseException, context: str) -> str:
+def _omegaconf_message(error: OmegaConfBaseException, context: str, in_file: bool = False
+                       ) -> str:
+    """One line for OmegaConf's error; `in_file`: it comes from a config file, not an override."""
     key = getattr(error, "full_key", None) or ""
     message = _first_line(getattr(error, "msg", None) or str(error))
     value = re.search(r"override (\S+)", context)
@@ -115,7 +124,11 @@ def _omegaconf_message(error: OmegaConfBaseException, context: str) -> str:
         known = _known_keys(error)
         hint = difflib.get_close_matches(leaf, known, n=1)
         did_you_mean = f"; did you mean {parent + '.' if parent else ''}{hint[0]}?" if hint else ""
-        return (f"{key}: no such config key{did_you_mean} (add a new key with +{key}=...)")
+        # `+KEY=...` adds a key, but only where the section takes it (labrun.config.NewKeys).
+        node = getattr(error, "parent_node", None)
+        takes_it = isinstance(node, DictConfig) and new_key_problem(node, leaf, key) is None
+        add = f" (add a new key with +{key}=...)" if takes_it and not in_file else ""
+        return f"{key}: no such config key{did_you_mean}{add}"
     if "could not be converted" in message or "Invalid type" in message or "Value '" in message:
         shown = value.group(1) if value else key
         return f"{shown}: {message}; give a value of the right type for {key}"
