@@ -7,9 +7,13 @@ first host of SLURM_JOB_NODELIST as master). A single process needs no process g
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import multiprocessing
 import os
+import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -115,10 +119,48 @@ def run_processes(nprocs: int, function, *args):
     result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # SIGINT and SIGTERM are left to _passing_stop_signals_on (the agent's own handler would
+    # stop the workers mid-step and wait 30 s to kill them, and rank 0's result would be lost).
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.5, start_method="spawn")
-    return elastic_launch(config, function)(*args)[0]
+                          monitor_interval=0.5, start_method="spawn",
+                          signals_to_handle="SIGHUP,SIGQUIT")
+    with _passing_stop_signals_on():
+        return elastic_launch(config, function)(*args)[0]
+
+
+@contextlib.contextmanager
+def _passing_stop_signals_on():
+    """Ctrl-C or SIGTERM to the launcher: its workers stop as one process would, with a
+    checkpoint at the next step boundary, and return "interrupted" as their result.
+
+    The first signal goes on as SIGTERM, a stop request even for a worker that got the same
+    Ctrl-C itself (a terminal sends it to the whole process group), where a second SIGINT would
+    mean "abort at once". A second signal to the launcher goes on as SIGINT: abort at once.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+
+    def pass_on(signum, frame):
+        received.append(signum)
+        workers = multiprocessing.active_children()  # the launcher's spawned ranks
+        if not workers:  # none started yet: nothing to checkpoint, stop the launcher itself
+            raise KeyboardInterrupt
+        sent = signal.SIGTERM if len(received) == 1 else signal.SIGINT
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, sent)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in previous:
+        signal.signal(s, pass_on)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,11 @@ class Job:
     gpus: str | None = None
     error: str | None = None
     metric: float | None = None
+    # The local launcher's own record of the job's process: wall-clock epoch seconds just
+    # before it started the process and just after it saw the process end, and its exit code.
+    started_at: float | None = None
+    ended_at: float | None = None
+    returncode: int | None = None
     config: Any = field(default=None, repr=False)  # the job's composed config (not saved)
 
     @property

@@ -1,0 +1,158 @@
+"""`python train.py trainer.devices=2`: two local processes (DDP with gloo on the CPU, started the
+way torchrun does) train one run. Every rank leaves its own record, ranks/rank-N.json, so the
+tests see that both processes trained, not only that the run completed: rank 0 alone writes
+metrics.jsonl, summary.json and the checkpoints, and would write the same files if rank 1 had
+never taken a step.
+
+The result is the one a single process gets with the same global batch (trainer.batch_size is
+global: each of N ranks takes batch_size/N samples of every step, rank r every N-th sample of
+the step's share of the shuffled order, so the two ranks of a step see exactly the samples one
+process would). A Ctrl-C interrupts a 2-process run with a checkpoint, and `labrun resume`
+finishes it bit-identical to an uninterrupted 2-process run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import torch
+
+from conftest import (
+    FAST,
+    PROJECT,
+    PYTHON,
+    final_weights,
+    max_difference,
+    rank_records,
+    read_metrics,
+    read_summary,
+    run_labrun,
+    run_train,
+    wait_for,
+)
+
+# A short run on the digits data. model.dropout=0: dropout draws its masks from each process's
+# own RNG (seeded alike on every rank), so with dropout two ranks of 32 samples do not draw the
+# masks one process draws for 64, and the comparison with one process would measure that, not
+# the distributed training.
+SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
+         "model.dropout=0"]
+
+# Two processes and one process differ only in the order floats are added: DDP averages the two
+# ranks' gradients of 32 samples each (an all-reduce), one process averages 64 samples' at once.
+# Measured here after these 8 AdamW steps: weights differ by at most 2.7e-6 (|weights| up to
+# 0.2), val/loss by 1.2e-7. A real difference in what is computed is over a thousand times larger,
+# measured on the same 8 steps: one process with batch_size=128 (what a per-device batch_size
+# would mean) moves the weights by 1.8e-2 and val/loss by 9e-3; with half the batch (32), by
+# 1.6e-2 and 1.9e-3; the dropout masks alone (model.dropout=0.1, see SHORT) by 1.6e-2 and 1.6e-4.
+# The tolerances sit between: ~40x above the rounding for the weights, ~80x for val/loss, and
+# at least ~16x below any of those differences.
+WEIGHT_TOLERANCE = 1e-4
+LOSS_TOLERANCE = 1e-5
+
+
+def assert_both_ranks_trained(records: list[dict], steps: int, status: str = "completed",
+                              resumed_from: int = 0) -> None:
+    """Two records from two distinct processes of one world of 2, each of which took the
+    `steps` optimizer steps of the segment itself."""
+    assert len(records) == 2, f"{len(records)} rank records: {records}"
+    assert [r["rank"] for r in records] == [0, 1]
+    assert sorted(r["local_rank"] for r in records) == [0, 1]
+    assert {r["world_size"] for r in records} == {2}
+    assert len({r["pid"] for r in records}) == 2, "both records come from one process"
+    assert len({r["host"] for r in records}) == 1  # both on this machine
+    assert steps > 0
+    for record in records:
+        assert record["optimizer_steps"] == steps, record
+        assert record["resumed_from_step"] == resumed_from, record
+        assert record["step"] == resumed_from + steps, record
+        assert record["status"] == status, record
+
+
+def test_two_local_processes_train_one_run(tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    run_train("trainer.devices=2", *SHORT, run_dir=two)
+    summary = read_summary(two)
+    assert summary["status"] == "completed" and summary["step"] == 8
+    steps = [p["step"] for p in read_metrics(two) if "train/loss" in p]
+    assert steps == sorted(set(steps)), "a rank other than 0 wrote metrics too"
+    assert not (two / "errors").exists()
+    records = rank_records(two)
+    assert_both_ranks_trained(records, steps=8)
+    assert os.getpid() not in {r["pid"] for r in records}  # sanity: not this test's process
+
+    # The same global batch in one process: the same result, up to the order of float sums.
+    run_train("trainer.devices=1", *SHORT, run_dir=one)
+    assert [r["world_size"] for r in rank_records(one)] == [1]
+    difference = max_difference(final_weights(two), final_weights(one))
+    print(f"devices=2 vs devices=1: weights differ by at most {difference:.2e}")
+    assert difference <= WEIGHT_TOLERANCE
+    loss_two, loss_one = summary["val/loss"], read_summary(one)["val/loss"]
+    assert abs(loss_two - loss_one) <= LOSS_TOLERANCE, (loss_two, loss_one)
+
+
+def test_a_user_error_in_two_local_processes_is_one_line(tmp_path):
+    result = run_train("trainer.devices=2", "dataset=synthetic", "dataset.num_train=4",
+                       run_dir=tmp_path / "run", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert "fewer than one optimizer step" in lines[-1] and "Traceback" not in result.stderr
+
+
+# Two full epochs of 22 steps, a checkpoint every 5: the Ctrl-C comes right after step 5, with
+# 39 steps still to go, many seconds of training however fast or loaded the machine is.
+RESUMABLE = ["trainer.devices=2", "trainer.max_epochs=2", "trainer.deterministic=true",
+             "checkpoint.every_n_steps=5", "trainer.limit_val_batches=2", "model.dropout=0"]
+TOTAL_STEPS = 44
+# Generous: a 2-process run of 44 steps takes a few minutes when other tests load the 2 cores;
+# the limits only stop a hung run from blocking the suite.
+RUN_TIMEOUT = 900
+
+
+def test_ctrl_c_stops_two_processes_and_resume_finishes_identically(tmp_path):
+    reference = tmp_path / "reference"
+    run_train(*RESUMABLE, run_dir=reference, timeout=RUN_TIMEOUT)
+    assert_both_ranks_trained(rank_records(reference), steps=TOTAL_STEPS)
+
+    run_dir = tmp_path / "run"
+    # Its own session, so that the Ctrl-C reaches the launcher and both workers, as a terminal's
+    # does (the whole foreground process group), and not this test.
+    proc = subprocess.Popen([PYTHON, str(PROJECT / "train.py"), *FAST, *RESUMABLE,
+                             f"hydra.run.dir={run_dir}"], cwd=PROJECT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        # Start-up of two processes plus 5 steps, on a loaded machine: minutes, not seconds.
+        wait_for(run_dir / "checkpoints" / "step-00000005.pt", proc, timeout=RUN_TIMEOUT)
+        os.killpg(proc.pid, signal.SIGINT)
+        # Both ranks stop at the next step boundary; 300 s only stops a hang.
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    summary = read_summary(run_dir)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].endswith(f"resume with: labrun resume {run_dir}")
+    assert summary["status"] == "interrupted" and 5 <= summary["step"] < TOTAL_STEPS
+    stopped_at = summary["step"]
+    first = rank_records(run_dir)
+    assert_both_ranks_trained(first, steps=stopped_at, status="interrupted")
+    # The checkpoint of the step where both ranks stopped, which the resume starts from.
+    assert (run_dir / "checkpoints" / f"step-{stopped_at:08d}.pt").exists()
+
+    result = run_labrun("resume", str(run_dir), timeout=RUN_TIMEOUT)
+    assert f"(step {stopped_at})" in result.stdout, result.stdout[-2000:]  # "resuming from"
+    assert read_summary(run_dir)["status"] == "completed"
+    again = rank_records(run_dir)
+    # Both ranks ran again, as new processes, from the checkpoint to the end.
+    assert_both_ranks_trained(again, steps=TOTAL_STEPS - stopped_at, resumed_from=stopped_at)
+    assert not {r["pid"] for r in first} & {r["pid"] for r in again}
+
+    # gloo adds the two ranks' gradients in a fixed order: the resumed run is bit-identical.
+    resumed, uninterrupted = final_weights(run_dir), final_weights(reference)
+    assert resumed.keys() == uninterrupted.keys()
+    for key in resumed:
+        assert torch.equal(resumed[key], uninterrupted[key]), f"{key} differs"
