@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Tear down the dev SLURM cluster started by scripts/slurm_up.sh: cancel jobs, stop each daemon by
-# the PID recorded in $LABRUN_SLURM_STATE/pids/ (default /tmp/labrun-slurm), delete the state dir.
-# Idempotent: nothing running and no state dir is a success.
+# Tear down the test SLURM cluster started by scripts/slurm_up.sh: cancel jobs, stop each daemon by
+# the PID recorded in $LABRUN_SLURM_STATE/pids/ (default /tmp/labrun-slurm), end whatever still
+# runs in the nodes' network namespaces, delete the namespaces, the bridge, the state dir and the
+# config files in /etc/slurm. Idempotent: nothing running and no state dir is a success.
 set -euo pipefail
 
 STATE="${LABRUN_SLURM_STATE:-/tmp/labrun-slurm}"
@@ -52,20 +53,41 @@ stop() {
 
 stopped=()
 # Reverse start order: compute daemons first, munged last (the others authenticate through it).
-stop slurmd slurmd
+for f in "$STATE"/pids/slurmd*.pid; do
+    [ -e "$f" ] || continue
+    name="$(basename "$f" .pid)"
+    stop "$name" slurmd
+done
 stop slurmctld slurmctld
 stop slurmdbd slurmdbd
 stop mariadbd mariadbd
 stop munged munged
 
 # slurmstepd processes detach from slurmd; any left over (a job that ignored the cancel) belong to
-# this cluster, the only one on the machine: end them by PID.
+# this cluster, the only one on the machine, and so does a Slurm daemon whose pid file was lost
+# (an earlier cluster killed half-way): end them by PID.
 for p in /proc/[0-9]*; do
-    [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] && running "${p#/proc/}" || continue
+    comm="$(cat "$p/comm" 2>/dev/null)" || continue
+    case "$comm" in slurmstepd|slurmd|slurmctld|slurmdbd) ;; *) continue;; esac
     pid="${p#/proc/}"
-    log "killing leftover slurmstepd (pid $pid)"
+    running "$pid" || continue
+    log "killing leftover $comm (pid $pid)"
     kill -KILL "$pid" 2>/dev/null || true
+    stopped+=("$pid")
 done
+
+# The nodes: anything still running in their network namespaces (an orphaned job step, a
+# training process) belongs to this cluster; then the namespaces and the bridge themselves.
+for ns in $(ip netns list 2>/dev/null | awk '/^labrun-node/ {print $1}'); do
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do
+        log "killing pid $pid left in $ns"
+        kill -KILL "$pid" 2>/dev/null || true
+        stopped+=("$pid")
+    done
+    ip netns delete "$ns" 2>/dev/null || true
+done
+ip link delete labrun0 2>/dev/null || true
+rm -f /etc/slurm/slurm.conf /etc/slurm/gres.conf /etc/slurm/slurmdbd.conf
 
 # Let PID 1 reap the exited daemons (up to 5 s) so that `ps` right after this script shows none.
 for _ in $(seq 25); do

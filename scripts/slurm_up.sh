@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Bring up a real single-node SLURM cluster (cluster "labrun", partition "dev") on this machine.
+# Bring up labrun's test SLURM cluster on this one machine, shaped like a small lab's:
+#   - slurmctld, slurmdbd and a private MariaDB and munged in this machine's namespace;
+#   - three compute nodes node1..node3, each a slurmd in its own network namespace with its own
+#     hostname and address on a bridge this script creates (10.77.0.0/24; nothing else is
+#     contacted), four GPUs each as GRES (placeholder character devices);
+#   - partitions gpu (default) and dev (the same nodes, for CPU-only quick sweeps);
+#   - QOS normal, urgent (higher priority) and scavenger (preempted by QOS, requeued);
+#   - fair share across the accounts vision and nlp (root belongs to both, and to lab, its
+#     default account).
 #
 #   bash scripts/slurm_up.sh        # idempotent; exits 0 quickly if the cluster is already healthy
-#   bash scripts/slurm_down.sh      # stops every daemon by PID and deletes the state
+#   bash scripts/slurm_down.sh      # stops every daemon by PID, removes namespaces and state
 #
-# No systemd here, so package scripts cannot start services: this script installs the packages
-# (Debian 12: Slurm 22.05, MariaDB, munge), then starts munged, mariadbd, slurmdbd, slurmctld and
-# slurmd itself, in the background, and records their PIDs in $LABRUN_SLURM_STATE/pids/.
-# It finishes with a real test job and an sacct query, then prints a summary.
+# No systemd here: this script installs the packages (Debian 12: Slurm 22.05, MariaDB, munge),
+# then starts every daemon itself and records its PID in $LABRUN_SLURM_STATE/pids/. It ends
+# with a real job on the nodes and an sacct query, then prints a summary.
 #
 # Env: LABRUN_SLURM_STATE  state dir (default /tmp/labrun-slurm): logs, pids, spool, database.
 #                          Must be the same for slurm_up.sh and slurm_down.sh.
@@ -15,10 +22,21 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 STATE="${LABRUN_SLURM_STATE:-/tmp/labrun-slurm}"
-PARTITION=dev
-PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-client rsync)
-# mariadbd listens on this unix socket only (--skip-networking); slurmdbd finds it via MYSQL_UNIX_PORT.
+PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-client rsync iproute2)
 DB_SOCKET="$STATE/mysql/mysqld.sock"
+MUNGE_SOCKET="$STATE/munge/munge.socket"
+# The cluster's network: the bridge holds the controller's address, node N has .1N.
+BRIDGE=labrun0
+CTL_ADDR=10.77.0.1
+NODES=(node1 node2 node3)
+NODE_RANGE="node[1-3]"
+node_addr() { echo "10.77.0.1${1#node}"; }
+netns() { echo "labrun-$1"; }
+# What each node declares (SlurmdParameters=config_overrides): a lab's GPU node, so that
+# cluster=lab as written (8 CPUs, 32 GB per task) fits two 2-GPU jobs on one node.
+NODE_CPUS=32
+NODE_MEM_MB=196608
+NODE_GPUS=4
 T0=$(date +%s)
 
 STARTED=0   # set to 1 once daemons are being started: from then on a failure also tears down
@@ -40,7 +58,7 @@ die() {
 }
 log() { echo "slurm_up: $*"; }
 
-[ "$(id -u)" = 0 ] || die "must run as root (starts daemons, writes /etc/slurm)"
+[ "$(id -u)" = 0 ] || die "must run as root (starts daemons, network namespaces, writes /etc/slurm)"
 
 # running PID: true if PID exists and is not a zombie. Daemons here are re-parented to PID 1,
 # which reaps them only after a second or two, so `kill -0` alone would see a dead daemon as alive.
@@ -68,44 +86,78 @@ wait_for() {
     done
 }
 
-node_state() { sinfo -h -N -n "$NODE" -o '%T' 2>/dev/null | head -n1; }
-node_usable() { case "$(node_state)" in idle|mixed|allocated|completing) return 0;; *) return 1;; esac; }
+node_state() { sinfo -h -N -n "$1" -o '%T' 2>/dev/null | head -n1; }
+node_usable() { case "$(node_state "$1")" in idle|mixed|allocated|completing) return 0;; *) return 1;; esac; }
+all_nodes_usable() { local n; for n in "${NODES[@]}"; do node_usable "$n" || return 1; done; }
 
 # Fingerprint of this script and the templates: a running cluster brought up from other
 # versions of them is restarted, so config edits take effect on the next slurm_up.sh.
-config_id() { cat "$HERE/slurm_up.sh" "$HERE"/slurm/*.in | sha256sum | cut -d' ' -f1; }
+config_id() { cat "$HERE/slurm_up.sh" "$HERE/slurm_down.sh" "$HERE"/slurm/*.in | sha256sum | cut -d' ' -f1; }
 
 healthy() {
     local d
     [ "$(cat "$STATE/config_id" 2>/dev/null)" = "$(config_id)" ] || return 1
-    for d in munged mariadbd slurmdbd slurmctld slurmd; do pid_alive "$d" || return 1; done
+    for d in munged mariadbd slurmdbd slurmctld "${NODES[@]/#/slurmd-}"; do pid_alive "$d" || return 1; done
     [ -f /etc/slurm/slurm.conf ] || return 1
     timeout 10 scontrol ping 2>/dev/null | grep -q 'is UP' || return 1
-    node_usable || return 1
+    all_nodes_usable || return 1
     timeout 10 sacct -n -X -S now >/dev/null 2>&1 || return 1
 }
 
 summary() {
-    local cpus mem
-    cpus=$(sinfo -h -N -n "$NODE" -o '%c')
-    mem=$(sinfo -h -N -n "$NODE" -o '%m')
-    echo "slurm_up: cluster labrun UP: partition=$PARTITION (default) node=$NODE cpus=$cpus memory=${mem}MB" \
-         "state=$(node_state) statedir=$STATE ($(( $(date +%s) - T0 ))s)"
+    echo "slurm_up: cluster labrun UP: nodes=${NODES[*]} (each $NODE_CPUS CPUs, ${NODE_MEM_MB}MB," \
+         "gpu:$NODE_GPUS) partitions=gpu (default),dev qos=normal,urgent,scavenger" \
+         "accounts=lab,vision,nlp statedir=$STATE ($(( $(date +%s) - T0 ))s)"
 }
 
-NODE="$(hostname -s)"
+# start NAME CMD...: run CMD in the foreground mode of the daemon, detached (own session, stdio
+# to a log file so callers capturing our output do not hang), and record its PID.
+start() {
+    local name=$1; shift
+    setsid "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 &
+    echo $! >"$STATE/pids/$name.pid"
+}
+# check_started NAME SECONDS CMD...: wait for CMD to succeed while the daemon is still alive.
+check_started() {
+    local name=$1 timeout=$2; shift 2
+    local end=$(( $(date +%s) + timeout ))
+    until "$@" >/dev/null 2>&1; do
+        pid_alive "$name" || die "$name exited at start-up (log: $STATE/log/$name.out)"
+        [ "$(date +%s)" -lt "$end" ] || die "$name not ready after ${timeout}s"
+        sleep 0.5
+    done
+}
+
+# start_node NAME: the node's slurmd in the node's network namespace. Not `ip netns exec`: it
+# remounts /sys, which hides the cgroup tree slurmd needs. A UTS namespace gives the node its
+# hostname, a mount namespace its /etc/hosts.
+start_node() {
+    start "slurmd-$1" nsenter --net="/run/netns/$(netns "$1")" unshare --uts --mount \
+        sh -c "hostname $1 && mount --bind '$STATE/hosts' /etc/hosts && exec /usr/sbin/slurmd -D -N $1"
+}
+
+# --restart-node NAME: bring one node back after a test took it away (its slurmd killed): end
+# what is left in its namespace (an orphaned job step), start its slurmd, resume it.
+if [ "${1:-}" = --restart-node ]; then
+    n="${2:?--restart-node needs a node name}"
+    for pid in $(ip netns pids "$(netns "$n")" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+    start_node "$n"
+    # The node registers within seconds; DOWN (not responding) nodes need an explicit resume.
+    wait_for 60 bash -c "sinfo -h -N -n $n -o %T | grep -qv '\*'" || true
+    scontrol update nodename="$n" state=resume 2>/dev/null || true
+    wait_for 60 node_usable "$n" || die "$n did not come back: $(sinfo -h -N -n "$n" -o '%T %E' | head -n1)"
+    log "$n is back ($(node_state "$n"))"
+    exit 0
+fi
 
 # ---- 0. Already up? -------------------------------------------------------------------------
 if [ -d "$STATE/pids" ] && command -v sinfo >/dev/null && healthy; then
-    config_id >"$STATE/config_id"
-summary
+    summary
     exit 0
 fi
-# Anything half-up (a daemon died, machine restarted with /tmp kept, ...): start from scratch.
-if [ -d "$STATE" ]; then
-    log "found a stale or unhealthy cluster in $STATE; tearing it down first"
-    bash "$HERE/slurm_down.sh" >/dev/null || die "slurm_down.sh failed while cleaning a stale cluster"
-fi
+# Anything an earlier cluster may have left (daemons, namespaces, the bridge, stale state, an
+# old /etc/slurm/slurm.conf): slurm_down.sh clears all of it, and is a no-op on a clean machine.
+bash "$HERE/slurm_down.sh" >/dev/null || die "slurm_down.sh failed while clearing an earlier cluster"
 
 # ---- 1. Packages ----------------------------------------------------------------------------
 missing=()
@@ -132,81 +184,72 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # ---- 2. Config files (before any Slurm command: client commands read slurm.conf) -------------
-mkdir -p "$STATE"/{pids,log,run,slurmctld,slurmd}
-chmod 755 "$STATE"   # mariadbd runs as mysql and must traverse it
+mkdir -p "$STATE"/{pids,log,run,slurmctld,slurmd,munge,dev}
+chmod 755 "$STATE"   # mariadbd (mysql) and munged (munge) must traverse it
 
-# Node line as slurmd detects this machine. RealMemory is lowered by 5% so a slightly smaller
-# reading at some later registration cannot DRAIN the node ("Low RealMemory").
-node_line="$(slurmd -C 2>/dev/null | head -n1)"
-case "$node_line" in NodeName=*RealMemory=*) ;; *) die "unexpected 'slurmd -C' output: $node_line";; esac
-real_mem="$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$node_line")"
-node_line="$(sed "s/RealMemory=[0-9]*/RealMemory=$(( real_mem * 95 / 100 ))/" <<<"$node_line")"
-# slurmd -C names the node after `hostname -s`; the config must use the same name.
-node_line="$(sed "s/^NodeName=[^ ]*/NodeName=$NODE/" <<<"$node_line")"
-
+node_lines=""
+for n in "${NODES[@]}"; do
+    node_lines+="NodeName=$n NodeAddr=$(node_addr "$n") CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB"
+    node_lines+=" Gres=gpu:$NODE_GPUS State=UNKNOWN\n"
+done
+HOST="$(hostname -s)"
 mkdir -p /etc/slurm
 render() {  # render TEMPLATE DEST MODE
-    sed -e "s|@HOST@|$NODE|g" -e "s|@NODE@|$NODE|g" -e "s|@STATE@|$STATE|g" \
-        -e "s|@NODE_LINE@|$node_line|g" "$1" >"$2.tmp"
+    sed -e "s|@HOST@|$HOST|g" -e "s|@CTL_ADDR@|$CTL_ADDR|g" -e "s|@STATE@|$STATE|g" \
+        -e "s|@NODES@|$NODE_RANGE|g" -e "s|@NODE_LINES@|$node_lines|g" "$1" >"$2.tmp"
     chmod "$3" "$2.tmp"
     chown root:root "$2.tmp"
     mv "$2.tmp" "$2"
 }
 render "$HERE/slurm/slurm.conf.in" /etc/slurm/slurm.conf 644
+render "$HERE/slurm/gres.conf.in" /etc/slurm/gres.conf 644
 # slurmdbd refuses a slurmdbd.conf that is not 0600 and owned by SlurmUser (root).
 render "$HERE/slurm/slurmdbd.conf.in" /etc/slurm/slurmdbd.conf 600
 
-# ---- 3. munged ------------------------------------------------------------------------------
-# munged refuses to run as root, so it runs as the munge user; it needs its key (owned by munge,
-# 0400) and /run/munge for its socket (the default path Slurm's auth/munge connects to).
-if [ ! -s /etc/munge/munge.key ]; then
-    mkdir -p /etc/munge
-    if command -v mungekey >/dev/null; then
-        mungekey --create --keyfile=/etc/munge/munge.key --force
-    else
-        dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-    fi
-fi
-chown munge:munge /etc/munge /etc/munge/munge.key
-chmod 700 /etc/munge
-chmod 400 /etc/munge/munge.key
-mkdir -p /run/munge /var/lib/munge /var/log/munge
-chown munge:munge /run/munge /var/lib/munge /var/log/munge
-chmod 755 /run/munge
+# The nodes' GPUs: character devices with NVIDIA's major number (slurmd refuses plain files).
+for i in $(seq 0 $(( NODE_GPUS - 1 ))); do mknod "$STATE/dev/nvidia$i" c 195 "$i"; done
 
-# start NAME CMD...: run CMD in the foreground mode of the daemon, detached (own session, stdio
-# to a log file so callers capturing our output do not hang), and record its PID.
-# setsid/setpriv exec (no fork) here, so $! is the daemon's own PID.
-start() {
-    local name=$1; shift
-    setsid "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 &
-    echo $! >"$STATE/pids/$name.pid"
-}
-# check_started NAME SECONDS CMD...: wait for CMD to succeed while the daemon is still alive.
-check_started() {
-    local name=$1 timeout=$2; shift 2
-    local end=$(( $(date +%s) + timeout ))
-    until "$@" >/dev/null 2>&1; do
-        pid_alive "$name" || die "$name exited at start-up"
-        [ "$(date +%s)" -lt "$end" ] || die "$name not ready after ${timeout}s"
-        sleep 0.5
-    done
-}
+# Names every node (and the controller) resolves, bind-mounted over /etc/hosts inside each
+# node's mount namespace only: gloo's rendezvous on tcp://node1:PORT needs them. The machine's
+# own /etc/hosts is untouched, and node names are never looked up outside the nodes.
+{
+    echo "127.0.0.1 localhost"
+    echo "$CTL_ADDR $HOST"
+    for n in "${NODES[@]}"; do echo "$(node_addr "$n") $n"; done
+} >"$STATE/hosts"
 
+# ---- 3. The network: a bridge, and one namespace per node on it -----------------------------
+ip link add "$BRIDGE" type bridge || die "cannot create bridge $BRIDGE"
+ip addr add "$CTL_ADDR/24" dev "$BRIDGE"
+ip link set "$BRIDGE" up
+for n in "${NODES[@]}"; do
+    ns="$(netns "$n")"
+    ip netns add "$ns" || die "cannot create network namespace $ns"
+    ip link add "veth-$n" type veth peer name eth0 netns "$ns"
+    ip link set "veth-$n" master "$BRIDGE" up
+    ip -n "$ns" addr add "$(node_addr "$n")/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+done
+
+# ---- 4. munged (the cluster's own: socket and key in the state dir) -------------------------
+dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
+chown -R munge:munge "$STATE/munge"
+chmod 755 "$STATE/munge"   # munged requires its socket's folder to be reachable by everyone
+chmod 400 "$STATE/munge/munge.key"
 STARTED=1
-start munged setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged --foreground
-check_started munged 15 bash -c 'munge -n | unmunge'
+start munged setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged --foreground \
+    --socket="$MUNGE_SOCKET" --key-file="$STATE/munge/munge.key" \
+    --pid-file="$STATE/munge/munged.pid" --log-file="$STATE/munge/munged.log" \
+    --seed-file="$STATE/munge/munged.seed"
+check_started munged 15 bash -c "munge -S '$MUNGE_SOCKET' -n | unmunge -S '$MUNGE_SOCKET'"
 
-# ---- 4. MariaDB (throw-away datadir inside the state dir, unix socket only) ------------------
-if [ ! -d "$STATE/mysql/mysql" ]; then
-    mkdir -p "$STATE/mysql"
-    chown mysql:mysql "$STATE/mysql"
-    # root@localhost authenticates through unix_socket: root processes (slurmdbd) need no password.
-    mysql_install_db --no-defaults --user=mysql --datadir="$STATE/mysql" \
-        --auth-root-authentication-method=socket --skip-test-db >"$STATE/log/mysql_install_db.out" 2>&1 \
-        || die "mysql_install_db failed"
-fi
-# Its own pid file and error log go in the datadir: mariadbd runs as mysql and cannot write elsewhere.
+# ---- 5. MariaDB (throw-away datadir inside the state dir, unix socket only) ------------------
+mkdir -p "$STATE/mysql"
+chown mysql:mysql "$STATE/mysql"
+mysql_install_db --no-defaults --user=mysql --datadir="$STATE/mysql" \
+    --auth-root-authentication-method=socket --skip-test-db >"$STATE/log/mysql_install_db.out" 2>&1 \
+    || die "mysql_install_db failed"
 # The innodb values are the minimums slurmdbd checks for (it logs an error otherwise).
 start mariadbd /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$STATE/mysql" \
     --socket="$DB_SOCKET" --pid-file="$STATE/mysql/mariadbd.pid" --skip-networking \
@@ -214,29 +257,34 @@ start mariadbd /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$STATE/m
     --innodb-buffer-pool-size=512M --innodb-lock-wait-timeout=900 --innodb-log-file-size=64M
 check_started mariadbd 60 mariadb-admin --no-defaults --socket="$DB_SOCKET" -uroot ping
 
-# ---- 5. slurmdbd ----------------------------------------------------------------------------
-# MYSQL_UNIX_PORT points the MariaDB client library inside slurmdbd at our socket.
+# ---- 6. slurmdbd, then the accounting the cluster's policy needs -----------------------------
 start slurmdbd env MYSQL_UNIX_PORT="$DB_SOCKET" /usr/sbin/slurmdbd -D
-# First start creates the accounting tables; sacctmgr answering means slurmdbd is serving.
 check_started slurmdbd 60 timeout 10 sacctmgr -n list cluster
-# Register the cluster before slurmctld starts so it is accounted from its first job.
-if ! sacctmgr -n -P list cluster format=cluster | grep -qx labrun; then
-    sacctmgr -i add cluster labrun >/dev/null || die "sacctmgr add cluster labrun failed"
-fi
+mgr() { sacctmgr -i "$@" >/dev/null || die "sacctmgr $* failed"; }
+mgr add cluster labrun
+# scavenger first: urgent and normal name it as the QOS they preempt. A preempted scavenger
+# job gets its --signal at once and is requeued after GraceTime.
+mgr add qos scavenger Priority=0 PreemptMode=requeue GraceTime=15
+mgr add qos urgent Priority=1000 Preempt=scavenger
+mgr modify qos normal set Priority=10 Preempt=scavenger
+# Accounts: lab (everyone's default) and two groups that share the GPUs by fair share.
+mgr add account lab,vision,nlp Cluster=labrun Fairshare=1
+mgr add user root Account=lab,vision,nlp DefaultAccount=lab
+mgr modify user root set QOS=normal,urgent,scavenger DefaultQOS=normal
 
-# ---- 6. slurmctld + slurmd ------------------------------------------------------------------
+# ---- 7. slurmctld, then one slurmd per node namespace ---------------------------------------
 # -i: ignore errors found while reading state files (there are none on a fresh state dir).
 start slurmctld /usr/sbin/slurmctld -D -i
 check_started slurmctld 30 bash -c 'timeout 5 scontrol ping | grep -q "is UP"'
-start slurmd /usr/sbin/slurmd -D
-check_started slurmd 60 node_usable
+for n in "${NODES[@]}"; do start_node "$n"; done
+for n in "${NODES[@]}"; do check_started "slurmd-$n" 60 node_usable "$n"; done
 
-# ---- 7. Smoke test: a real job, then its accounting record ----------------------------------
-out="$(timeout 60 srun -N1 -n1 -p "$PARTITION" -t 1 -J labrun-smoke hostname 2>&1)" \
-    || die "test job 'srun -N1 hostname' failed: $out"
-[ -n "$out" ] || die "test job 'srun -N1 hostname' printed nothing"
-# Accounting is written asynchronously (slurmctld -> slurmdbd, a few seconds behind): poll for
-# the job's record (any state) to prove the slurmctld -> slurmdbd -> MariaDB path works.
+# ---- 8. Smoke test: a real job on the nodes, then its accounting record ----------------------
+# sbatch --wait, not srun: srun here would have the nodes call back to this namespace's address.
+out="$(timeout 60 sbatch --wait -N3 -t 1 -J labrun-smoke -o "$STATE/log/smoke-%j.out" \
+    --wrap 'srun hostname' 2>&1)" || die "test job on the three nodes failed: $out"
+smoke="$(cat "$STATE"/log/smoke-*.out 2>/dev/null | sort | tr '\n' ' ')"
+[ "$smoke" = "node1 node2 node3 " ] || die "test job ran on '$smoke', expected node1 node2 node3"
 wait_for 30 bash -c 'sacct -n -X -P --name=labrun-smoke -o JobID | grep -q .' \
     || die "sacct has no record of the test job (accounting via slurmdbd is broken)"
 

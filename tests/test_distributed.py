@@ -20,6 +20,9 @@ import subprocess
 import torch
 
 from conftest import (
+    DDP_LOSS_TOLERANCE,
+    DDP_SHORT,
+    DDP_WEIGHT_TOLERANCE,
     FAST,
     PROJECT,
     PYTHON,
@@ -32,25 +35,6 @@ from conftest import (
     run_train,
     wait_for,
 )
-
-# A short run on the digits data. model.dropout=0: dropout draws its masks from each process's
-# own RNG (seeded alike on every rank), so with dropout two ranks of 32 samples do not draw the
-# masks one process draws for 64, and the comparison with one process would measure that, not
-# the distributed training.
-SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
-         "model.dropout=0"]
-
-# Two processes and one process differ only in the order floats are added: DDP averages the two
-# ranks' gradients of 32 samples each (an all-reduce), one process averages 64 samples' at once.
-# Measured here after these 8 AdamW steps: weights differ by at most 2.7e-6 (|weights| up to
-# 0.2), val/loss by 1.2e-7. A real difference in what is computed is over a thousand times larger,
-# measured on the same 8 steps: one process with batch_size=128 (what a per-device batch_size
-# would mean) moves the weights by 1.8e-2 and val/loss by 9e-3; with half the batch (32), by
-# 1.6e-2 and 1.9e-3; the dropout masks alone (model.dropout=0.1, see SHORT) by 1.6e-2 and 1.6e-4.
-# The tolerances sit between: ~40x above the rounding for the weights, ~80x for val/loss, and
-# at least ~16x below any of those differences.
-WEIGHT_TOLERANCE = 1e-4
-LOSS_TOLERANCE = 1e-5
 
 
 def assert_both_ranks_trained(records: list[dict], steps: int, status: str = "completed",
@@ -73,7 +57,7 @@ def assert_both_ranks_trained(records: list[dict], steps: int, status: str = "co
 
 def test_two_local_processes_train_one_run(tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
-    run_train("trainer.devices=2", *SHORT, run_dir=two)
+    run_train("trainer.devices=2", *DDP_SHORT, run_dir=two)
     summary = read_summary(two)
     assert summary["status"] == "completed" and summary["step"] == 8
     steps = [p["step"] for p in read_metrics(two) if "train/loss" in p]
@@ -84,13 +68,13 @@ def test_two_local_processes_train_one_run(tmp_path):
     assert os.getpid() not in {r["pid"] for r in records}  # sanity: not this test's process
 
     # The same global batch in one process: the same result, up to the order of float sums.
-    run_train("trainer.devices=1", *SHORT, run_dir=one)
+    run_train("trainer.devices=1", *DDP_SHORT, run_dir=one)
     assert [r["world_size"] for r in rank_records(one)] == [1]
     difference = max_difference(final_weights(two), final_weights(one))
     print(f"devices=2 vs devices=1: weights differ by at most {difference:.2e}")
-    assert difference <= WEIGHT_TOLERANCE
+    assert difference <= DDP_WEIGHT_TOLERANCE
     loss_two, loss_one = summary["val/loss"], read_summary(one)["val/loss"]
-    assert abs(loss_two - loss_one) <= LOSS_TOLERANCE, (loss_two, loss_one)
+    assert abs(loss_two - loss_one) <= DDP_LOSS_TOLERANCE, (loss_two, loss_one)
 
 
 def test_a_user_error_in_two_local_processes_is_one_line(tmp_path):

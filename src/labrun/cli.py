@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "resume": ("labrun.rerun", "resume an interrupted run in its own folder"),
     "rerun": ("labrun.rerun", "reproduce a run from scratch in a new folder"),
     "status": ("labrun.status", "show the state of a sweep's jobs"),
+    "queue": ("labrun.queue", "the SLURM cluster: GPUs in use, fair share, pending jobs"),
     "compare": ("labrun.compare", "compare runs: table, csv, markdown, plot"),
     "configs": ("labrun.configs", "check or diff configs for review"),
     "export": ("labrun.export", "export a run's model to TorchScript or ONNX"),

@@ -24,6 +24,7 @@ from typing import Any
 
 from labrun.errors import LabrunError
 from labrun.launch import SLURM_COMMENT_PREFIX
+
 DOWN_STATES = "down,drain,draining,fail,no_respond"
 
 

@@ -13,8 +13,10 @@ RNG states, position in the epoch's sample order) is in the checkpoint.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
+import socket
 import threading
 import time
 import warnings
@@ -37,7 +39,7 @@ from labrun.distributed import Distributed, all_reduce_sum
 from labrun.errors import LabrunError, one_line
 from labrun.models import unwrap
 from labrun.progress import ProgressReporter
-from labrun.tracking import NoTracker, RunFolder, Tracker
+from labrun.tracking import NoTracker, RunFolder, Tracker, write_json_atomic
 
 
 class RunInterrupted(LabrunError):
@@ -72,6 +74,8 @@ class TrainingSession:
         trainer = cfg.trainer
         self.cfg, self.data, self.folder = cfg, data, folder
         self.tracker: Tracker = NoTracker()
+        self.window = _Window(torch.device("cpu"))  # the current epoch's, once training
+        self._resumed_window: _Window | None = None
         self.checkpoints, self.dist, self.device = checkpoints, dist, dist.device
         self.progress = ProgressReporter(trainer.progress, enabled=dist.is_main)
 
@@ -120,6 +124,7 @@ class TrainingSession:
         self.epoch = 0  # the epoch in progress (0-based)
         self.position = 0  # samples of this epoch's order already trained on, on this rank
         self.step = 0  # optimizer steps so far
+        self.steps_taken = 0  # optimizer steps this process took itself (ranks/rank-N.json)
         self.best: float | None = None
         self.stop_signal: int | None = None
         self._requeue_handler = None
@@ -135,9 +140,13 @@ class TrainingSession:
         if resume is not None:
             self.load_state_dict(resume)
             self.progress.message(f"resumed at epoch {self.epoch + 1}, step {self.step}")
+        resumed_from = self.step
         self.folder.update_summary(status="running", error=None, epoch=self.epoch, step=self.step,
                                    monitor=monitor, ended_at=None,
-                                   started_at=self.folder.summary.get("started_at") or time.time())
+                                   started_at=self.folder.summary.get("started_at") or time.time(),
+                                   # SLURM's count of this job's requeues (preemption, node
+                                   # failure), for `labrun status`.
+                                   requeued=int(os.environ.get("SLURM_RESTART_COUNT", "0")))
         restore_signals = self._catch_stop_signals()
         status, error = "failed", None
         try:
@@ -167,6 +176,7 @@ class TrainingSession:
             self.folder.update_summary(status=status, error=error, epoch=self.epoch,
                                        step=self.step, ended_at=time.time())
             self.tracker.finish(status, self.folder.summary)
+            self.write_rank_record(status, resumed_from)
 
     def train_epoch(self) -> None:
         self.net.train()
@@ -176,7 +186,10 @@ class TrainingSession:
         done = self.position // self.per_rank_batch
         self.progress.start_epoch(self.epoch, self.cfg.trainer.max_epochs, self.steps_per_epoch,
                                   done)
-        window = _Window(self.device)
+        # A run resumed mid-window carries on the checkpoint's window, so that its next logged
+        # train/loss averages the same steps as an uninterrupted run's.
+        window = self.window = self._resumed_window or _Window(self.device)
+        self._resumed_window = None
         every_n = self.cfg.checkpoint.every_n_steps
         while done < self.steps_per_epoch:
             try:
@@ -228,6 +241,7 @@ class TrainingSession:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         self.scaler.step(self.optimizer)
+        self.steps_taken += 1
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -274,6 +288,18 @@ class TrainingSession:
         self.folder.update_summary(**test)
         self.progress.message("test (best checkpoint): " + "  ".join(
             f"{k} {v:.4f}" for k, v in test.items()))
+
+    def write_rank_record(self, status: str, resumed_from: int) -> None:
+        """ranks/rank-N.json: which process this rank was and how many optimizer steps it
+        took itself, from `resumed_from` to `step`. Every rank writes its own, so a run shows
+        that all its processes trained; a resumed run replaces it with the new segment's."""
+        folder = self.folder.path / "ranks"
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder / f"rank-{self.dist.rank}.json", {
+            "host": socket.gethostname(), "pid": os.getpid(), "rank": self.dist.rank,
+            "local_rank": self.dist.local_rank, "world_size": self.dist.world_size,
+            "status": status, "resumed_from_step": resumed_from, "step": self.step,
+            "optimizer_steps": self.steps_taken, "ended_at": time.time()})
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -404,6 +430,8 @@ class TrainingSession:
             "data": {"epoch": self.epoch, "position": self.position,
                      "micro_batch_size": self.micro},
             "best": self.best,
+            # The steps since the last logged point (see train_epoch).
+            "log_window": {"loss": self.window.loss.detach().cpu(), "steps": self.window.steps},
             "wandb_run_id": self.tracker.run_id,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "class_names": self.data.class_names,
@@ -420,6 +448,10 @@ class TrainingSession:
         if self.auto_micro and state["data"]["micro_batch_size"] != self.micro:
             self.micro = state["data"]["micro_batch_size"]  # keep what fitted in memory
             self.train_loader = self._train_loader()
+        if "log_window" in state:  # absent from checkpoints written before labrun kept it
+            self._resumed_window = _Window(self.device)
+            self._resumed_window.loss += state["log_window"]["loss"].to(self.device)
+            self._resumed_window.steps = state["log_window"]["steps"]
         set_rng_state(state["rng"])  # run.py has cut metrics.jsonl back to this step already
         self.folder.summary.update({f"best/{self.cfg.checkpoint.monitor}": self.best})
 

@@ -47,5 +47,7 @@ def run(args) -> int:
             job.metric = summary.get(f"best/{summary.get('monitor', 'val/acc')}")
         elif slurm:
             job.state = slurm  # pending, or ended without a result (failed, cancelled, timeout)
+        if summary.get("requeued"):  # preempted or its node failed, then resumed
+            job.state = f"{job.state} (requeued {summary['requeued']}x)"
     sweep.print_table(jobs, f"sweep {args.sweep_dir.resolve()} ({manifest['backend']})")
     return 0

@@ -2,9 +2,13 @@
 
     cluster=local   -> local.LocalLauncher: subprocesses on this machine, one job per free GPU
     cluster=lab     -> slurm.SlurmLauncher: a SLURM job array through submitit
-    cluster=slurm_dev  (the same, on the single-node dev cluster of scripts/slurm_up.sh)
+    cluster=slurm_dev  (the same, on the CPU partition of the test cluster, scripts/slurm_up.sh)
 
 Both skip jobs that already completed with the same config (so re-running a sweep into its
 folder finishes only what is left), end with one table of every job's own result, and write
 `jobs.json` into the sweep folder for `labrun status`.
 """
+
+# The comment every SLURM job labrun submits carries: this prefix and the sweep folder, so that
+# `labrun queue` finds a user's sweeps among the cluster's jobs.
+SLURM_COMMENT_PREFIX = "labrun:"

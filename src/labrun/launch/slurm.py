@@ -33,7 +33,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from labrun.errors import ConfigError, LabrunError
-from labrun.launch import sweep
+from labrun.launch import SLURM_COMMENT_PREFIX, sweep
 
 POLL_S = 2.0
 # Config keys holding paths that a job, running elsewhere, must see as absolute paths.
@@ -115,7 +115,7 @@ class SlurmLauncher(BaseSubmititLauncher):
             pending = dict(zip([j.num for j in jobs], handles, strict=True))
             while pending:
                 for num, handle in list(pending.items()):
-                    if handle.done(force_check=True):
+                    if handle.done(force_check=True) and not requeued_after_node_failure(handle):
                         del pending[num]
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
@@ -137,6 +137,18 @@ class SlurmLauncher(BaseSubmititLauncher):
         sweep.write_manifest(sweep_dir, "slurm", jobs)
         sweep.print_table(jobs, f"sweep {sweep_dir}")
         return [sweep.job_return(job) for job in jobs]
+
+
+def requeued_after_node_failure(handle: Any) -> bool:
+    """True for a job whose node failed and that SLURM has requeued. For a few seconds sacct,
+    where submitit reads states, still shows NODE_FAIL, which submitit takes as the end;
+    squeue, the controller's own view, already shows the requeued job pending."""
+    if handle.state != "NODE_FAIL":
+        return False
+    # 30 s: squeue waits out SLURM's 10 s message timeout once or twice when slurmctld is busy.
+    out = subprocess.run(["squeue", "-h", "-j", str(handle.job_id), "-o", "%T"],
+                         capture_output=True, text=True, timeout=30)
+    return out.stdout.strip() in ("PENDING", "REQUEUED", "CONFIGURING", "RUNNING")
 
 
 def failure_reason(handle: Any) -> str | None:
@@ -190,7 +202,10 @@ def executor_parameters(cluster: DictConfig, config: DictConfig, snapshot: Path 
         "gpus_per_node": cluster.gpus_per_node,
         "slurm_array_parallelism": cluster.array_parallelism,
         "slurm_signal_delay_s": cluster.signal_delay_s,
-        "slurm_additional_parameters": dict(cluster.extra_sbatch),
+        # The comment marks the job as labrun's, with its sweep folder (`labrun queue`).
+        "slurm_additional_parameters": {
+            "comment": f"{SLURM_COMMENT_PREFIX}{Path(str(config.hydra.sweep.dir)).resolve()}",
+            **cluster.extra_sbatch},
         "slurm_setup": setup,
     }
     return {key: value for key, value in params.items() if value not in (None, {}, [])}

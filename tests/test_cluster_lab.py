@@ -1,0 +1,404 @@
+"""`cluster=lab` against a cluster shaped like a lab's (scripts/slurm_up.sh: three nodes in
+their own network namespaces, four GPUs each as GRES, QOS normal / urgent / scavenger with
+preemption, fair share across accounts): GPUs from SLURM, two-node DDP, QOS preemption, a node
+failure, fair share and `labrun queue`. The jobs train on the CPU; OMP_NUM_THREADS=1 (through
+cluster.env) keeps them from fighting over this machine's two cores.
+
+The slow waits (fair share's priority pass, the preemption grace time, a node's time-out) are
+started side by side by the module's `scenarios` fixture; each test then finishes its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (
+    DDP_LOSS_TOLERANCE,
+    DDP_SHORT,
+    DDP_WEIGHT_TOLERANCE,
+    DETERMINISTIC,
+    FAST,
+    LABRUN,
+    PROJECT,
+    PYTHON,
+    assert_identical,
+    max_difference,
+    rank_records,
+    read_metrics,
+    read_summary,
+    run_labrun,
+    run_train,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slurm
+
+STATE = Path(os.environ.get("LABRUN_SLURM_STATE", "/tmp/labrun-slurm"))
+LAB = ["cluster=lab", "+cluster.env.OMP_NUM_THREADS=1"]
+# The scavenger QOS's GraceTime in scripts/slurm_up.sh: a preempted job is killed this long
+# after its --signal.
+GRACE_S = 15
+
+
+@pytest.fixture(autouse=True, scope="module")
+def lab_cluster():
+    # Never a skip (see conftest.py): the lab-shaped cluster must be up.
+    out = subprocess.run(["sinfo", "-h", "-p", "gpu", "-N", "-o", "%N %G %T"],
+                         capture_output=True, text=True, timeout=30)
+    nodes = {line.split()[0] for line in out.stdout.splitlines() if "gpu:4" in line}
+    if out.returncode != 0 or len(nodes) < 3:
+        pytest.fail(f"the lab-shaped cluster is not up (sinfo: {out.stdout or out.stderr}); "
+                    "`make test` as root starts it (scripts/slurm_up.sh)")
+
+
+def sweep(sweep_dir: Path, *overrides: str, env: dict[str, str] | None = None
+          ) -> subprocess.Popen:
+    """`python train.py -m cluster=lab ...` in the background."""
+    args = [PYTHON, "train.py", "-m", *LAB, *FAST, *overrides, f"hydra.sweep.dir={sweep_dir}"]
+    return subprocess.Popen(args, cwd=PROJECT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    # 600 s: a few short trainings sharing two cores with the rest of the sweep's jobs.
+    output, _ = proc.communicate(timeout=timeout)
+    return output
+
+
+def sbatch(*args: str) -> str:
+    out = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", *args],
+                         capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def sacct(job_id: str, fields: str) -> list[dict[str, str]]:
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", fields],
+                         capture_output=True, text=True, timeout=30)
+    names = fields.split(",")
+    return [dict(zip(names, line.split("|"), strict=True)) for line in out.stdout.splitlines()]
+
+
+def manifest(sweep_dir: Path) -> dict:
+    return json.loads((sweep_dir / "jobs.json").read_text())
+
+
+def environment(run_dir: Path) -> dict:
+    return json.loads((run_dir / "provenance" / "environment.json").read_text())
+
+
+def weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def losses(run_dir: Path) -> list[tuple]:
+    """The deterministic part of each logged point (no wall-clock fields)."""
+    return [(p["step"], p["epoch"], p.get("train/loss"), p.get("val/loss"))
+            for p in read_metrics(run_dir)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The scenarios with slow waits, started side by side
+
+
+class Trigger:
+    """Runs a scenario's fault in a thread the moment the job is ready for it (the test that
+    checks the outcome may come much later); `join()` re-raises what went wrong there."""
+
+    def start_trigger(self) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.trigger()
+        except BaseException as error:  # noqa: BLE001 - handed to the test by join()
+            self.error = error
+
+    def join(self) -> None:
+        self.thread.join(timeout=900)  # the trigger waits at most wait_for's 300 s
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class Preemption(Trigger):
+    """node3: a normal-QOS twin and a scavenger job train the same deterministic run, a
+    scavenger placeholder holds the node's other two GPUs; once the scavenger job has written a
+    checkpoint, an urgent job asks for three GPUs, which only preempting both scavenger jobs
+    frees."""
+    sweep_dir: Path
+    proc: subprocess.Popen
+    placeholder: str
+    urgent: str | None = None
+    urgent_submitted: float = 0.0
+
+    @classmethod
+    def start(cls, sweep_dir: Path) -> Preemption:
+        proc = sweep(sweep_dir, *DETERMINISTIC, "cluster.qos=normal,scavenger",
+                     "+cluster.extra_sbatch.nodelist=node3", "cluster.cpus_per_task=1")
+        placeholder = sbatch("-p", "gpu", "-q", "scavenger", "-w", "node3", "--gres=gpu:2",
+                             "-J", "placeholder", "--wrap", "sleep 900")
+        scenario = cls(sweep_dir, proc, placeholder)
+        scenario.start_trigger()
+        return scenario
+
+    def trigger(self) -> None:
+        # Mid-training: the scavenger job has checkpointed at step 10 (of 66).
+        wait_for(self.sweep_dir / "1" / "checkpoints" / "step-00000010.pt", self.proc)
+        self.urgent_submitted = time.time()
+        self.urgent = sbatch("-p", "gpu", "-q", "urgent", "-w", "node3", "--gres=gpu:3",
+                             "-J", "urgent", "--wrap", "echo $SLURM_JOB_GPUS")
+
+
+@dataclass
+class NodeFailure(Trigger):
+    """A job on node1 or node2 (node3 is the preemption's); once it has checkpointed, every
+    process of its node is killed, slurmd and the job's step with it, as when a node dies."""
+    sweep_dir: Path
+    proc: subprocess.Popen
+    node: str | None = None
+
+    @classmethod
+    def start(cls, sweep_dir: Path) -> NodeFailure:
+        proc = sweep(sweep_dir, *DETERMINISTIC, "+cluster.extra_sbatch.exclude=node3",
+                     "cluster.cpus_per_task=1")
+        scenario = cls(sweep_dir, proc)
+        scenario.start_trigger()
+        return scenario
+
+    def trigger(self) -> None:
+        run = self.sweep_dir / "0"
+        wait_for(run / "checkpoints" / "step-00000010.pt", self.proc)
+        self.node = environment(run)["hostname"]
+        assert self.node in ("node1", "node2")
+        namespace = f"labrun-{self.node}"
+        pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                              text=True, check=True).stdout.split()
+        assert str((STATE / "pids" / f"slurmd-{self.node}.pid").read_text().strip()) in pids
+        for pid in pids:
+            subprocess.run(["kill", "-KILL", pid], check=False)
+
+    def restore(self) -> None:
+        if self.node:
+            subprocess.run(["bash", str(PROJECT / "scripts" / "slurm_up.sh"), "--restart-node",
+                            self.node], check=True, capture_output=True, timeout=180)
+
+
+@dataclass
+class FairShare:
+    """Account vision uses node3's four GPUs for 15 s (the preemption scenario's jobs wait for
+    them); one job of vision and one of nlp wait (held back by --begin) while SLURM's priority
+    pass (every minute) weighs the two accounts' usage."""
+    usage_job: str
+    vision: str
+    nlp: str
+
+    @classmethod
+    def start(cls) -> FairShare:
+        usage = sbatch("-A", "vision", "-p", "gpu", "-w", "node3", "--gres=gpu:4", "-c", "4",
+                       "-J", "vision-usage", "--wrap", "sleep 15")
+        later = "--begin=now+3600"  # pending the whole module, never started
+        return cls(usage, sbatch("-A", "vision", later, "-J", "vision-next", "--wrap", "true"),
+                   sbatch("-A", "nlp", later, "-J", "nlp-next", "--wrap", "true"))
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab")
+    fair = FairShare.start()
+    preemption = Preemption.start(root / "preemption")
+    failure = NodeFailure.start(root / "failure")
+    yield {"fair": fair, "preemption": preemption, "failure": failure}
+    for proc in (preemption.proc, failure.proc):
+        if proc.poll() is None:
+            proc.kill()
+    jobs = [fair.usage_job, fair.vision, fair.nlp, preemption.placeholder]
+    subprocess.run(["scancel", *jobs, *([preemption.urgent] if preemption.urgent else [])],
+                   check=False)
+    failure.restore()
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests
+
+
+def test_preempted_scavenger_job_requeues_resumes_and_matches_its_twin(scenarios):
+    preemption: Preemption = scenarios["preemption"]
+    preemption.join()
+    output = finish(preemption.proc)
+    assert preemption.proc.returncode == 0, output
+    twin, preempted = preemption.sweep_dir / "0", preemption.sweep_dir / "1"
+    log = Path(manifest(preemption.sweep_dir)["jobs"][1]["log"]).read_text()
+    assert "SIGUSR2" in log and "resuming from" in log  # its --signal came, then a restart
+    assert read_summary(preempted)["requeued"] >= 1 and read_summary(twin)["requeued"] == 0
+    assert_identical(weights(preempted), weights(twin))
+    assert losses(preempted) == losses(twin)
+
+    [urgent] = sacct(preemption.urgent, "State,Submit,Start")
+    assert urgent["State"] == "COMPLETED"
+    waited = (datetime.fromisoformat(urgent["Start"])
+              - datetime.fromisoformat(urgent["Submit"])).total_seconds()
+    # The urgent job waits for the preempted jobs' grace time, then the scheduler's next pass
+    # (every 2 s) and the preempted jobs' exit; 30 s covers those on a loaded machine. A job
+    # that waited for the scavenger run to finish instead would wait minutes.
+    assert waited <= GRACE_S + 30, f"the urgent job waited {waited:.0f} s"
+    # node3 is free again for the tests that follow.
+    subprocess.run(["scancel", preemption.placeholder], check=True)
+
+
+def test_a_failed_node_requeues_its_job_which_resumes_elsewhere_losing_nothing(scenarios):
+    failure: NodeFailure = scenarios["failure"]
+    twin = scenarios["preemption"].sweep_dir / "0"  # the same deterministic run, never stopped
+    failure.join()
+    output = finish(failure.proc)
+    assert failure.proc.returncode == 0, output
+    run = failure.sweep_dir / "0"
+    assert read_summary(run)["status"] == "completed"
+    assert environment(run)["hostname"] not in (failure.node, "node3")
+    assert read_summary(twin)["status"] == "completed"  # finished in the preemption test
+    assert_identical(weights(run), weights(twin))
+    assert losses(run) == losses(twin)  # every point, once, as the uninterrupted run has it
+    status = run_labrun("status", str(failure.sweep_dir))
+    assert "requeued 1x" in status.stdout, status.stdout
+    failure.restore()
+
+
+def test_two_2_gpu_jobs_share_a_node_with_disjoint_gpus_from_slurm(tmp_path, scenarios):
+    proc = sweep(tmp_path, "trainer.devices=2", "trainer.max_epochs=1",
+                 "trainer.limit_train_batches=3", "optimizer.lr=0.1,0.2",
+                 "cluster.cpus_per_task=8", "+cluster.extra_sbatch.nodelist=node3")
+    output = finish(proc)
+    assert proc.returncode == 0, output
+    gpus = []
+    for num in ("0", "1"):
+        env = environment(tmp_path / num)
+        assert env["hostname"] == "node3" and env["slurm"]["SLURM_NTASKS"] == "2"
+        gpus.append(set(env["cuda_visible_devices"].split(",")))
+        assert len(gpus[-1]) == 2
+    assert gpus[0].isdisjoint(gpus[1]), gpus  # two jobs on one node at once, each its own GPUs
+    assert gpus[0] | gpus[1] == {"0", "1", "2", "3"}
+
+
+# The sweep's three jobs are one array, in order: element 2 is the `failing` variant. Its rank
+# 1 (on the second node) raises after training, so rank 0 completes and SLURM says COMPLETED.
+INJECT_RANK_1_FAILURE = """
+import os
+if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("SLURM_ARRAY_TASK_ID") == "2":
+    from labrun.session import TrainingSession
+    fit = TrainingSession.fit
+    def fit_then_fail(self, *args, **kwargs):
+        fit(self, *args, **kwargs)
+        raise RuntimeError("failure injected by the test on the second node")
+    TrainingSession.fit = fit_then_fail
+"""
+
+
+def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenarios):
+    """One rank on each of two nodes (gloo over the nodes' own addresses): the ranks run on
+    different hosts, the result matches one process with the same global batch, a requeued
+    two-node job ends bit-identical to its uninterrupted twin, and a failure on the second
+    node's rank is reported in the sweep table."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(INJECT_RANK_1_FAILURE)
+    two_nodes = ["trainer.num_nodes=2", "trainer.devices=1", "cluster.cpus_per_task=1",
+                 "+cluster.extra_sbatch.exclude=node3"]
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(sweep_dir, *two_nodes, "trainer.max_epochs=2", "trainer.deterministic=true",
+                 "checkpoint.every_n_steps=5", "+variant=plain,requeued,failing",
+                 env={"PYTHONPATH": str(inject)})
+    # Side by side: DDP_SHORT on two nodes, and the same global batch in one local process
+    # (with the jobs' one thread), compared within conftest's measured tolerances.
+    short = sweep(tmp_path / "short", *two_nodes, *DDP_SHORT)
+    # The requeue, mid-training (step 10 of 44), before keep_last rotates that checkpoint away.
+    wait_for(sweep_dir / "1" / "checkpoints" / "step-00000010.pt", proc)
+    job_id = manifest(sweep_dir)["jobs"][1]["job_id"]
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    one = tmp_path / "one"
+    run_train(*DDP_SHORT, run_dir=one, env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    short_output = finish(short)
+    assert short.returncode == 0, short_output
+    two = tmp_path / "short" / "0"
+    difference = max_difference(weights(two), weights(one))
+    loss_gap = abs(read_summary(two)["val/loss"] - read_summary(one)["val/loss"])
+    print(f"two nodes vs one process: weights {difference:.2e}, val/loss {loss_gap:.2e}")
+    assert difference <= DDP_WEIGHT_TOLERANCE and loss_gap <= DDP_LOSS_TOLERANCE
+    records = rank_records(two)
+    assert [(r["rank"], r["world_size"], r["status"], r["optimizer_steps"]) for r in records] \
+        == [(0, 2, "completed", 8), (1, 2, "completed", 8)]
+    assert sorted(r["host"] for r in records) == ["node1", "node2"], records  # two nodes
+
+    output = finish(proc)
+
+    plain, requeued = sweep_dir / "0", sweep_dir / "1"
+    assert sorted(r["host"] for r in rank_records(plain)) == ["node1", "node2"]
+    log = Path(manifest(sweep_dir)["jobs"][1]["log"]).read_text()
+    assert "SIGUSR2" in log and "resuming from" in log
+    assert_identical(weights(requeued), weights(plain))
+    assert losses(requeued) == losses(plain)
+    assert read_summary(requeued)["requeued"] >= 1
+    ids = {job["job_id"].split("_")[0] for job in manifest(sweep_dir)["jobs"]}
+    assert len(ids) == 1 and manifest(sweep_dir)["jobs"][2]["job_id"].endswith("_2")
+    assert proc.returncode != 0
+    assert "rank 1: RuntimeError: failure injected by the test on the second node" in output
+    assert read_summary(sweep_dir / "2")["status"] == "completed"  # rank 0's view
+
+
+def test_fair_share_favours_the_account_that_used_less_and_queue_says_why(scenarios):
+    fair: FairShare = scenarios["fair"]
+    deadline = time.time() + 180  # the priority pass runs every minute (PriorityCalcPeriod=1)
+    while True:
+        view = json.loads(run_labrun("queue", "--json").stdout)
+        pending = {p["job_id"]: p for p in view["pending"]}
+        vision, nlp = pending[fair.vision], pending[fair.nlp]
+        if nlp["priority"] > vision["priority"] or time.time() > deadline:
+            break
+        time.sleep(5)  # a priority pass lands within the minute
+    assert nlp["priority"] > vision["priority"], (vision, nlp)
+    assert [p["job_id"] for p in view["pending"]].index(fair.nlp) < \
+        [p["job_id"] for p in view["pending"]].index(fair.vision)  # listed first
+    shares = {(s["account"], s["user"]): s for s in view["fair_share"]}
+    assert shares[("vision", "root")]["usage"] > 0 == shares[("nlp", "root")]["usage"]
+    assert shares[("vision", "root")]["fairshare"] < shares[("nlp", "root")]["fairshare"]
+    text = run_labrun("queue").stdout
+    assert "Fair share" in text and fair.nlp in text
+
+
+def test_queue_shows_the_users_labrun_sweeps_and_gpus_in_use(tmp_path):
+    proc = sweep(tmp_path, "cluster.detach=true", "trainer.devices=2", "trainer.max_epochs=3",
+                 "optimizer.lr=0.1,0.2", "cluster.cpus_per_task=1")
+    output = finish(proc)
+    assert proc.returncode == 0, output
+    ids = [job["job_id"] for job in manifest(tmp_path)["jobs"]]
+    try:
+        deadline = time.time() + 120  # both jobs start within a few scheduler passes
+        while True:
+            view = json.loads(run_labrun("queue", "--json").stdout)
+            mine = [s for s in view["sweeps"] if s["sweep_dir"] == str(tmp_path.resolve())]
+            if mine and mine[0]["jobs"].get("running") == 2 or time.time() > deadline:
+                break
+            time.sleep(2)
+        assert mine and mine[0]["jobs"] == {"running": 2}, view["sweeps"]
+        assert view["gpus_in_use"]["by_user"]["root"] >= 4  # 2 jobs x 2 GPUs
+    finally:
+        subprocess.run(["scancel", *ids], check=False)
+
+
+def test_doctor_finds_cluster_lab_healthy():
+    result = subprocess.run([LABRUN, "doctor", "--json"], capture_output=True, text=True,
+                            timeout=300, cwd=PROJECT)
+    checks = {c["check"]: c for c in json.loads(result.stdout)}
+    assert checks["slurm"]["status"] == "ok", checks["slurm"]
+    assert checks["slurm partition"]["status"] == "ok", checks["slurm partition"]
+    assert "gpu" in checks["slurm partition"]["detail"]
