@@ -1,10 +1,18 @@
 """`labrun serve` as a real uvicorn process on 127.0.0.1, and `labrun predict` offline: real
-JPEGs, every kind of bad request (each followed by a healthy server), and a 500-request load."""
+JPEGs, every kind of bad request (each followed by a healthy server), a 500-request load, the
+503 past the concurrency cap and --workers 2.
+
+Answers are checked against a reference that shares no code with labrun's inference: Pillow
+decodes and resizes, the val transform's parameters come from the run's saved Hydra config, and
+onnxruntime runs the exported file directly."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
+import json
+import os
 import socket
 import subprocess
 import threading
@@ -14,8 +22,10 @@ from pathlib import Path
 import cv2
 import httpx
 import numpy as np
+import onnxruntime
 import pytest
 import torch
+import yaml
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -23,7 +33,7 @@ from conftest import LABRUN, PROJECT, run_labrun
 from labrun import inference, models
 from labrun.data import digits
 from labrun.data.transforms import ValTransform, normalize_on_device
-from labrun.serve import serving
+from labrun.serve import MAX_CONCURRENCY, serving
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +68,97 @@ def jpegs() -> list[tuple[bytes, int]]:
     return files
 
 
+# How far the server's probabilities may be from the reference's. The reference decodes every
+# file at full size; labrun decodes a JPEG at a reduced DCT scale (1/2, 1/4, 1/8) when its short
+# side stays at least the val resize's (37 px here), which gives slightly different pixels. The
+# digits model, trained for 3 epochs, is sensitive to them. Measured max |difference| over all
+# 359 validation digits: decoded at full size (PNG, 64 px JPEG) 0.0020, the remainder being the
+# crop box rounded to whole pixels and Pillow's fixed-point resampling against torch's float one;
+# 96 px JPEG (decoded at 1/2) 0.0066; 160 px JPEG (decoded at 1/4) 0.062. Each tolerance is about
+# twice (1/4: 1.6 times) the largest difference measured at that scale.
+PROB_TOLERANCE = {1: 0.005, 2: 0.015, 4: 0.1}
+
+
+class Reference:
+    """What the exported model should answer for an image file, built without labrun: Pillow
+    decodes it at full size, takes the square that "resize the short side to size / ratio, then
+    centre-crop size x size" keeps and resizes it to size x size (bilinear, antialiased), then
+    (pixels / 255 - mean) / std; onnxruntime runs the .onnx file. The parameters come from the
+    run's saved config (.hydra/config.yaml), not from the metadata that export writes.
+
+    Pillow's resize with a float box does the exact geometry; torchvision's Resize(37) +
+    CenterCrop(32) rounds the resized side (32 / 0.875 = 36.57) and lands 0.03-0.07 away, with
+    top-1 flips, on these images, which would hide real errors of that size.
+    """
+
+    def __init__(self, run_dir: Path, onnx_path: Path):
+        dataset = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["dataset"]
+        self.size = int(dataset["image_size"])
+        self.ratio = float(dataset["augment"]["val_resize_ratio"])
+        self.mean = np.array(dataset["mean"], dtype=np.float32)
+        self.std = np.array(dataset["std"], dtype=np.float32)
+        self.session = onnxruntime.InferenceSession(str(onnx_path),
+                                                    providers=["CPUExecutionProvider"])
+
+    def probs(self, data: bytes) -> np.ndarray:
+        with Image.open(io.BytesIO(data)) as image:
+            image = image.convert("RGB")
+        width, height = image.size
+        side = min(width, height) * self.ratio
+        box = ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
+        pixels = np.asarray(image.resize((self.size, self.size), Image.Resampling.BILINEAR,
+                                         box=box), dtype=np.float32) / 255
+        x = ((pixels - self.mean) / self.std).transpose(2, 0, 1)[None]
+        logits = self.session.run(None, {self.session.get_inputs()[0].name: x})[0][0]
+        exp = np.exp(logits.astype(np.float64) - logits.max())
+        return exp / exp.sum()
+
+
+@pytest.fixture(scope="module")
+def reference(digits_run, onnx_model) -> Reference:
+    return Reference(digits_run, onnx_model)
+
+
+@pytest.fixture(scope="module")
+def test_images() -> list[tuple[str, bytes, int]]:
+    """(name, file, DCT scale labrun decodes it at) for validation digits as 64 px JPEG and PNG
+    (decoded at full size: 64 / 2 < 37), 96 px JPEG (1/2) and 160 px JPEG (1/4)."""
+    val = digits.load(32, 0.2)["val"]
+    images = []
+    for i in range(0, 80, 5):
+        for px, fmt, scale in ((64, "JPEG", 1), (64, "PNG", 1), (96, "JPEG", 2),
+                               (160, "JPEG", 4)):
+            image = cv2.resize(val.load(i), (px, px), interpolation=cv2.INTER_LINEAR)
+            buffer = io.BytesIO()
+            Image.fromarray(image).save(buffer, format=fmt, quality=95)
+            images.append((f"{i}-{px}.{fmt.lower()}", buffer.getvalue(), scale))
+    return images
+
+
+def assert_matches_reference(answers: dict[str, dict[int, float]], reference: Reference,
+                             images: list[tuple[str, bytes, int]]) -> None:
+    """Each answer ({class index: prob} over all classes) is within PROB_TOLERANCE of the
+    reference, with the same top-1 wherever the reference's top two are further apart than
+    twice the tolerance (closer than that, a legitimate difference within it may swap them)."""
+    worst: dict[int, float] = {}
+    compared = 0
+    for name, data, scale in images:
+        expected = reference.probs(data)
+        got = np.array([answers[name][c] for c in range(len(expected))])
+        diff = float(np.abs(got - expected).max())
+        worst[scale] = max(worst.get(scale, 0.0), diff)
+        assert diff <= PROB_TOLERANCE[scale], (name, got.round(4), expected.round(4))
+        second, first = np.sort(expected)[-2:]
+        if first - second > 2 * PROB_TOLERANCE[scale]:
+            compared += 1
+            assert got.argmax() == expected.argmax(), (name, got.round(4), expected.round(4))
+    print(f"max |prob - reference| by DCT scale: {worst}; top-1 compared on {compared}/"
+          f"{len(images)}")
+    assert compared >= len(images) // 2, "too few clear-cut images to compare top-1 on"
+
+
 def assert_healthy(url: str, jpeg: bytes) -> None:
+    # 10 s: a healthy server answers these in well under a second, even on a loaded machine.
     assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
     answer = httpx.post(f"{url}/predict", files={"file": ("ok.jpg", jpeg)}, timeout=10)
     assert answer.status_code == 200 and len(answer.json()["top"]) == 5
@@ -91,19 +191,22 @@ def test_the_server_decodes_jpegs_no_smaller_than_the_val_resize_needs(onnx_mode
         assert (served - loader).abs().float().mean() < 4  # the crops round differently
 
 
-def test_predictions_match_the_offline_predictor(server, onnx_model, jpegs):
-    predictor = inference.Predictor(onnx_model)
+def test_predictions_match_an_independent_reference(server, reference, test_images, jpegs):
+    answers = {}
+    for name, data, _ in test_images:
+        answer = httpx.post(f"{server}/predict?k=10", files={"file": (name, data)},
+                            timeout=30)  # 30 s: one small image; slack for a loaded machine
+        assert answer.status_code == 200, answer.text
+        top = answer.json()["top"]
+        assert [t["class"] for t in top] == [str(t["index"]) for t in top]
+        assert [t["prob"] for t in top] == sorted((t["prob"] for t in top), reverse=True)
+        answers[name] = {t["index"]: t["prob"] for t in top}
+    assert_matches_reference(answers, reference, test_images)
+
     correct = 0
     for jpeg, label in jpegs:
-        answer = httpx.post(f"{server}/predict?k=3", files={"file": ("digit.jpg", jpeg,
-                                                                     "image/jpeg")})
-        assert answer.status_code == 200
-        top = answer.json()["top"]
-        expected = predictor.predict([predictor.decode(jpeg)], k=3)[0]
-        assert [t["index"] for t in top] == [t["index"] for t in expected]
-        assert [t["class"] for t in top] == [str(t["index"]) for t in top]
-        np.testing.assert_allclose([t["prob"] for t in top], [t["prob"] for t in expected],
-                                   atol=1e-5)
+        top = httpx.post(f"{server}/predict?k=3", files={"file": ("d.jpg", jpeg)}).json()["top"]
+        assert len(top) == 3
         correct += top[0]["index"] == label
     assert correct >= len(jpegs) // 2, f"only {correct}/{len(jpegs)} digits right"
 
@@ -187,7 +290,7 @@ def test_bad_request_gets_4xx_json_and_server_stays_healthy(server, jpegs, case)
         request = dict(files=[("files", ("a.jpg", jpeg)), ("files", ("b.jpg", b"junk"))])
     elif isinstance(request, str):  # a filename
         request = dict(files={"file": (request, jpeg)})
-    answer = httpx.post(url, timeout=60, **request)
+    answer = httpx.post(url, timeout=60, **request)  # 60 s: time to send the 50 MB cases
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert isinstance(error, str) and error
@@ -207,6 +310,7 @@ def test_windows_client_path_is_reduced_to_its_file_name(server, jpegs):
 def test_declared_oversize_body_is_refused_before_it_is_sent(server, jpegs):
     """Only the headers go out; the 413 must come back without the server waiting for 50 MB."""
     host, port = server.removeprefix("http://").split(":")
+    # 10 s: the 413 comes right after the headers; waiting that long means it never came.
     with socket.create_connection((host, int(port)), timeout=10) as connection:
         connection.sendall(b"POST /predict HTTP/1.1\r\nHost: test\r\n"
                            b"Content-Type: multipart/form-data; boundary=b\r\n"
@@ -225,6 +329,7 @@ def test_500_requests_from_8_clients(server, jpegs):
     lock = threading.Lock()
 
     def client() -> None:
+        # 60 s per request: 8 clients share 2 loaded cores; a hung request fails the test.
         with httpx.Client(base_url=server, timeout=60) as session:
             while True:
                 with lock:
@@ -279,5 +384,179 @@ def test_serve_refuses_a_taken_port_in_one_line(onnx_model):
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run([LABRUN, "serve", str(onnx_model), "--port", str(port)],
-                                capture_output=True, text=True, timeout=60, cwd=PROJECT)
+                                capture_output=True, text=True, cwd=PROJECT,
+                                timeout=60)  # 60 s: it fails before loading the model
     assert result.returncode == 2 and "cannot listen" in result.stderr, result.stderr
+
+
+def test_predict_command_on_an_onnx_file_matches_the_reference(onnx_model, reference,
+                                                               test_images, tmp_path):
+    """`labrun predict model.onnx FOLDER --csv`, then its printed lines, against the reference."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for name, data, _ in test_images:
+        (folder / name).write_bytes(data)
+    out = tmp_path / "predictions.csv"
+    run_labrun("predict", str(onnx_model), str(folder), "--k", "10", "--csv", str(out))
+    answers: dict[str, dict[int, float]] = {}
+    for row in csv.DictReader(out.open()):
+        answers.setdefault(Path(row["path"]).name, {})[int(row["index"])] = float(row["prob"])
+    assert sorted(answers) == sorted(name for name, _, _ in test_images)
+    assert_matches_reference(answers, reference, test_images)
+
+    # Without --csv: one line per image, `path  class (prob) ...`, most likely first.
+    printed = run_labrun("predict", str(onnx_model), str(folder / test_images[0][0]), "--k", "2")
+    path, *top = printed.stdout.strip().split("  ")
+    expected = reference.probs(test_images[0][1])
+    assert path == str(folder / test_images[0][0]) and len(top) == 2
+    assert top[0].split(" ")[0] == str(expected.argmax())
+
+
+# ---------------------------------------------------------------------------------------------
+# The concurrency cap and --workers, with raw HTTP/1.1 on sockets (to hold requests open and to
+# know which connection is which)
+
+
+def upload_request(jpeg: bytes, expect_continue: bool = False, close: bool = True
+                   ) -> tuple[bytes, bytes]:
+    """(head, body) of POST /predict?k=3 with `jpeg` as its multipart file."""
+    body = (b'--b\r\nContent-Disposition: form-data; name="file"; filename="d.jpg"\r\n'
+            b"Content-Type: image/jpeg\r\n\r\n" + jpeg + b"\r\n--b--\r\n")
+    head = (b"POST /predict?k=3 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: multipart/form-data; boundary=b\r\n"
+            + (b"Expect: 100-continue\r\n" if expect_continue else b"")
+            + (b"Connection: close\r\n" if close else b"")
+            + b"Content-Length: %d\r\n\r\n" % len(body))
+    return head, body
+
+
+def read_answer(sock: socket.socket) -> tuple[int, bytes]:
+    """One answer's status and body (its head, then Content-Length bytes, or up to the close)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection without an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    if status == 100:  # an interim answer: nothing follows until the body is sent
+        return status, body
+    lengths = [line.split(b":")[1] for line in head.lower().split(b"\r\n")
+               if line.startswith(b"content-length:")]
+    while len(body) < (int(lengths[0]) if lengths else float("inf")):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return status, body
+
+
+def test_requests_past_the_concurrency_cap_get_503(server, jpegs):
+    """Requests held open after their head (Expect: 100-continue, body not sent yet) fill the
+    server's MAX_CONCURRENCY slots one at a time: each is known to be admitted when its
+    100 Continue arrives, before the next one connects. Every request past the cap gets 503,
+    then the held ones send their bodies and all get their predictions."""
+    excess = 8
+    host, port = server.removeprefix("http://").split(":")
+    expected = httpx.post(f"{server}/predict?k=3", files={"file": ("d.jpg", jpegs[0][0])}
+                          ).json()["top"]
+    head, body = upload_request(jpegs[0][0], expect_continue=True)
+    held: list[socket.socket] = []
+    statuses, refusals = [], []
+    try:
+        for _ in range(MAX_CONCURRENCY + excess):
+            # 60 s: far more than an answer to a request head takes on a loaded machine.
+            sock = socket.create_connection((host, int(port)), timeout=60)
+            sock.sendall(head)
+            status, text = read_answer(sock)
+            statuses.append(status)
+            if status == 100:
+                held.append(sock)
+            else:
+                refusals.append(text)
+                sock.close()
+        admitted = statuses.count(100)
+        # uvicorn counts the request's own connection among the open ones, so the request that
+        # makes MAX_CONCURRENCY connections is the first one refused.
+        assert admitted == MAX_CONCURRENCY - 1, statuses
+        assert statuses == [100] * admitted + [503] * (len(statuses) - admitted), statuses
+        assert all(text == b"Service Unavailable" for text in refusals), refusals[:2]
+        for sock in held:
+            sock.sendall(body)
+        for sock in held:
+            status, text = read_answer(sock)
+            assert status == 200, text
+            assert [t["index"] for t in json.loads(text)["top"]] == [t["index"] for t in expected]
+    finally:
+        for sock in held:
+            sock.close()
+    assert_healthy(server, jpegs[0][0])
+
+
+def child_pids(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets the process has open (/proc/PID/fd -> socket:[INODE])."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # an fd closed while we look
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(int(target[len("socket:["):-1]))
+    return inodes
+
+
+def tcp_inode(local_port: int, remote_port: int) -> int | None:
+    """The inode of the IPv4 socket with these ports (remote 0: the listening socket)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if (int(fields[1].rsplit(":", 1)[1], 16) == local_port
+                and int(fields[2].rsplit(":", 1)[1], 16) == remote_port):
+            return int(fields[9])
+    return None
+
+
+def test_two_workers_are_two_processes_that_both_answer(onnx_model, jpegs, tmp_path):
+    """`labrun serve --workers 2`: two child processes of the server share its listening
+    socket, and predictions come back over connections that each of them accepted (the
+    connection's socket is open in that worker, /proc/PID/fd). One process serving alone, as
+    with --workers ignored, has no such children."""
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux /proc to see which process holds a connection")
+    log = tmp_path / "server.log"
+    try:
+        with serving(onnx_model, log, args=("--workers", "2"), cwd=PROJECT) as served:
+            listening = tcp_inode(served.port, 0)
+            workers = [pid for pid in child_pids(served.process.pid)
+                       if listening in socket_inodes(pid)]
+            assert len(workers) == 2, (listening, child_pids(served.process.pid))
+            expected = httpx.post(f"{served.url}/predict?k=3",
+                                  files={"file": ("d.jpg", jpegs[0][0])}).json()["top"]
+            head, body = upload_request(jpegs[0][0], close=False)
+            answered_by: dict[int, int] = {}
+            # serving() returns once one worker answers; the other may still be importing torch
+            # and loading the model (17+ s on a loaded 2-core machine), so new connections are
+            # tried until both have answered, for up to 120 s. Once both accept, which one gets
+            # a connection is up to the kernel (about even, measured).
+            deadline = time.monotonic() + 120
+            while len(answered_by) < len(workers) and time.monotonic() < deadline:
+                # 60 s: one small prediction; slack for a loaded machine.
+                with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+                    sock.sendall(head + body)
+                    status, text = read_answer(sock)
+                    assert status == 200, text
+                    assert ([t["index"] for t in json.loads(text)["top"]]
+                            == [t["index"] for t in expected])
+                    # While the connection is open, its socket is open in the worker that
+                    # accepted it.
+                    inode = tcp_inode(served.port, sock.getsockname()[1])
+                    owners = [pid for pid in workers if inode in socket_inodes(pid)]
+                    assert len(owners) == 1, (inode, owners)
+                    answered_by[owners[0]] = answered_by.get(owners[0], 0) + 1
+    finally:
+        print(log.read_text(errors="replace")[-3000:])
+    print(f"answers per worker process: {answered_by}")
+    assert sorted(answered_by) == sorted(workers)

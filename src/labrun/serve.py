@@ -16,6 +16,7 @@ seconds is disconnected (HeaderDeadlineProtocol), so slow clients cannot hold ev
 from __future__ import annotations
 
 import contextlib
+import inspect
 import ipaddress
 import json
 import os
@@ -45,6 +46,11 @@ MAX_CONCURRENCY = 128
 # previous answer. Without a deadline (uvicorn has none), 128 clients trickling header bytes
 # (slowloris) would hold every connection slot and everyone else would get 503.
 HEADER_TIMEOUT_S = 10.0
+# With --workers N, uvicorn's supervisor pings each worker and kills and restarts one that does
+# not answer within this many seconds (uvicorn's default: 5). A worker answers only once it is
+# running, and it starts by importing labrun.serve (torch, onnxruntime, FastAPI): 17 s measured
+# on a loaded 2-core machine, where the 5 s default restarted every worker forever.
+WORKER_HEALTHCHECK_TIMEOUT_S = 60
 TopK = Annotated[int, Query(ge=1, le=1000, description="how many classes to return")]
 ENV_MODEL, ENV_MAX_BYTES, ENV_THREADS = ("LABRUN_SERVE_MODEL", "LABRUN_SERVE_MAX_UPLOAD_BYTES",
                                          "LABRUN_SERVE_THREADS")
@@ -89,8 +95,12 @@ def run(args) -> int:
               f"{meta['image_size']} px) on http://{args.host}:{args.port}  "
               f"POST /predict, POST /predict/batch, GET /health, GET /metadata", flush=True)
         os.environ[ENV_HEADER_TIMEOUT] = str(args.header_timeout)  # for every worker process
+        # The protocol by name: a worker process then imports labrun.serve when its server
+        # starts, after it began answering the supervisor's pings, not while it unpickles its
+        # config (the class itself would be imported before the first answer).
         common = dict(host=args.host, port=args.port, log_level=args.log_level,
-                      limit_concurrency=MAX_CONCURRENCY, http=HeaderDeadlineProtocol)
+                      limit_concurrency=MAX_CONCURRENCY,
+                      http=f"{__name__}:{HeaderDeadlineProtocol.__name__}")
         if args.workers == 1:
             uvicorn.run(create_app(predictor, max_bytes), **common)
         else:
@@ -98,6 +108,8 @@ def run(args) -> int:
             os.environ.update({ENV_MODEL: str(predictor.model_path), ENV_MAX_BYTES: str(max_bytes),
                                ENV_THREADS: str(threads)})
             del predictor
+            if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters:
+                common["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_TIMEOUT_S
             uvicorn.run("labrun.serve:app_from_env", factory=True, workers=args.workers,
                         **common)
     finally:
