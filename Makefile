@@ -14,8 +14,8 @@ train: $(STAMP)   ## the default job: digits, small CNN, CPU, about a minute
 test: $(STAMP)    ## every test; brings up the single-node SLURM cluster when root
 	bash scripts/test.sh
 
-bench: $(STAMP)   ## benchmarks, printed as ratios against a baseline of the same run
-	$(PY) -m labrun.cli bench all
+bench: $(STAMP)   ## benchmarks as ratios against a baseline of the same run; exit 1 on a missed target
+	$(PY) -m labrun.cli bench all --check
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests train.py benchmarks

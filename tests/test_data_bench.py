@@ -1,29 +1,82 @@
-"""`labrun bench data` and `labrun bench trainer`, shrunk to smoke runs: every pipeline runs
-and the JSON has the keys."""
+"""`labrun bench data` and `labrun bench trainer`, shrunk to smoke runs: every pipeline runs,
+the JSON has the keys, and --check's exit status agrees with the measured figures (whatever
+they are on this machine: speed is never asserted here)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
+import torch
 from PIL import Image
 
 from conftest import run_labrun
-from labrun.bench import generate_photos
+from labrun.bench import (
+    DATA_TARGETS,
+    baseline_loader,
+    generate_photos,
+    labrun_data,
+    labrun_loader,
+    seconds_per_sample,
+)
+from labrun.bench_trainer import TRAINER_TARGETS
+from labrun.data.transforms import TrainTransform
+
+SMALL = argparse.Namespace(size=64, workers=2, passes=2, batch_size=8)  # labrun_data's args
 
 
 def test_bench_data_measures_every_pipeline_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     result = run_labrun("bench", "data", "--images", "24", "--work-dir", str(tmp_path),
                         "--batch-size", "8", "--size", "64", "--seconds", "0.1", "--rounds", "1",
-                        "--passes", "2", "--device", "cpu", "--json", str(out))
+                        "--passes", "2", "--device", "cpu", "--json", str(out), "--check",
+                        check=False)
     figures = json.loads(out.read_text())
     assert set(figures) == {"baseline", "imagefolder", "hdf5", "ceiling", "speedup",
                             "of_ceiling"}
     assert all(value > 0 for value in figures.values())
     assert abs(figures["speedup"] - figures["hdf5"] / figures["baseline"]) < 0.01
     assert "speedup    (3/1)" in result.stdout and "of_ceiling (3/4)" in result.stdout
+    assert "can exceed 1" in result.stdout  # of_ceiling is not a fraction
     assert "normalised floats on cpu" in result.stdout
+    # --check: exit 1 exactly when a required target is missed by the figures it wrote.
+    missed = [t.figure for t in DATA_TARGETS if t.required and not t.met(figures[t.figure])]
+    assert result.returncode == (1 if missed else 0), result.stdout + result.stderr
+    assert [line.split(":")[1].strip() for line in result.stdout.splitlines()
+            if line.startswith("target missed:")] == [f"data {figure}" for figure in missed]
+
+
+def test_the_baseline_loader_has_labrun_loader_settings(tmp_path):
+    root = generate_photos(tmp_path, 12)
+    labrun = labrun_loader(labrun_data({"name": "imagefolder", "root": str(root)}, SMALL),
+                           SMALL, torch.device("cpu"))
+    settings = {"persistent_workers": labrun.persistent_workers,
+                "prefetch_factor": labrun.prefetch_factor, "pin_memory": labrun.pin_memory}
+    assert settings["persistent_workers"]  # labrun's loader keeps its workers between epochs
+    baseline = baseline_loader(root / "train", SMALL.size, SMALL.batch_size, SMALL.workers,
+                               SMALL.passes, **settings)
+    assert (baseline.persistent_workers, baseline.prefetch_factor, baseline.pin_memory) == \
+        tuple(settings.values())
+    assert baseline.num_workers == labrun.num_workers
+
+
+def test_the_ceiling_times_labrun_own_per_sample_work(tmp_path, monkeypatch):
+    """The ceiling runs the train transform (decode of the crop, resize, flip) on every
+    sample, not a bare full-size decode."""
+    root = generate_photos(tmp_path, 12)
+    data = labrun_data({"name": "imagefolder", "root": str(root)}, SMALL)
+    calls = []
+    transform = TrainTransform.__call__
+
+    def counted(self, image, rng):
+        calls.append(image)
+        return transform(self, image, rng)
+
+    monkeypatch.setattr(TrainTransform, "__call__", counted)
+    seconds = seconds_per_sample(data, 0)
+    assert seconds > 0
+    assert len(calls) >= len(data.splits["train"])  # every sample at least once, after warm-up
 
 
 def test_generated_photos_are_cached_deterministic_and_photo_sized(tmp_path):
@@ -41,9 +94,16 @@ def test_generated_photos_are_cached_deterministic_and_photo_sized(tmp_path):
 
 def test_bench_trainer_runs_the_session_and_the_bare_loop_on_the_same_batches(tmp_path):
     out = tmp_path / "trainer.json"
+    rounds = 2
     result = run_labrun("bench", "trainer", "--image-size", "32", "--batch-size", "4",
-                        "--steps", "2", "--rounds", "1", "--json", str(out))
+                        "--steps", "2", "--rounds", str(rounds), "--json", str(out), "--check",
+                        check=False)
     figures = json.loads(out.read_text())
     assert figures["bare"] > 0 and figures["session"] > 0
     assert abs(figures["ratio"] - figures["session"] / figures["bare"]) < 1e-6
     assert "TrainingSession" in result.stdout
+    # The session's side logs as a real run does: each whole epoch ends with a logged point.
+    assert figures["metrics_rows"] >= rounds
+    (target,) = TRAINER_TARGETS
+    assert result.returncode == (0 if target.met(figures["ratio"]) else 1), result.stderr
+    assert ("target missed: trainer ratio" in result.stdout) == (result.returncode == 1)

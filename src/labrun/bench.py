@@ -1,20 +1,26 @@
 """`labrun bench <name>`: benchmarks that print side-by-side figures and ratios.
 
-    labrun bench data [--root DIR] [--images N] [--json FILE]
+    labrun bench data [--root DIR] [--images N] [--json FILE] [--check]
     labrun bench trainer | startup | serve      (src/labrun/bench_trainer.py, bench_serve.py)
-    labrun bench all                  every benchmark with its defaults (`make bench`)
+    labrun bench all [--check]        every benchmark with its defaults (`make bench`)
 
 Each benchmark is a configure(parser) + run(args) pair, named in BENCHES by module and
-function, so a new one joins with one line and without touching the others.
+function, so a new one joins with one line and without touching the others. run(args) returns
+judge(...) of its figures against its targets, which each module states once, in a *_TARGETS
+constant; this module prints the verdicts, and with --check exits 1 when a required target is
+missed (one line per miss: benchmark, figure, measured, target).
 
 `data` compares, on the same JPEGs, the same train transform (RandomResizedCrop 224 + flip,
 normalised floats at the end), batch size and worker count, in one run:
-  1. baseline: torchvision ImageFolder + PIL + torchvision transforms, as a user writes it
-     (its float batches are then copied to --device);
+  1. baseline: torchvision ImageFolder + PIL + torchvision transforms, as a user writes it,
+     in a DataLoader with labrun's loader settings (persistent workers, prefetch factor,
+     pinned memory); its float batches are then copied to --device;
   2. imagefolder: labrun's Data.loader over the folder with TurboJPEG (uint8 batches), then
      float + normalise on --device as the session does (a GPU if there is one);
   3. hdf5: the same from the file `labrun convert` writes;
-  4. ceiling: TurboJPEG full-size decode of the same bytes alone, one core, times workers.
+  4. ceiling: labrun's own per-sample work on the HDF5 file (read, decode of the crop, resize,
+     flip: what a worker does per sample), timed in this process and scaled to all the
+     workers busy all the time: images/s = workers / mean seconds per sample.
 Every pipeline runs a warm-up epoch, then whole epochs for at least --seconds; an epoch goes
 over the images --passes times, as a real dataset's epoch is long. The rounds are interleaved
 and each pipeline keeps its best round, which tames noise from other processes.
@@ -31,8 +37,9 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,27 +50,96 @@ from labrun.errors import ConfigError, LabrunError
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 PHOTOS_VERSION = 1  # bump when photo_like changes, so cached images are made again
-TARGETS = {"speedup": 3.0, "of_ceiling": 0.75}  # required, stretch
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets and verdicts
+
+
+@dataclass(frozen=True)
+class Target:
+    """`figure` `op` `bound`, e.g. speedup >= 3.0. A stretch target (required=False) is shown
+    with the others, but --check fails only on required ones."""
+
+    figure: str
+    op: str  # ">=" (at least) or "<" (under)
+    bound: float
+    required: bool = True
+
+    def met(self, value: float) -> bool:
+        if self.op == ">=":
+            return value >= self.bound
+        if self.op == "<":
+            return value < self.bound
+        raise ValueError(f"unknown target operator {self.op!r}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    bench: str
+    target: Target
+    measured: float
+
+    @property
+    def met(self) -> bool:
+        return self.target.met(self.measured)  # NaN meets nothing
+
+    @property
+    def missed(self) -> bool:
+        return self.target.required and not self.met
+
+    def line(self) -> str:
+        kind = "required" if self.target.required else "stretch, not checked"
+        return (f"{self.bench} {self.target.figure}: measured {self.measured:.3g}, target "
+                f"{self.target.op} {self.target.bound:g} ({kind}): "
+                f"{'met' if self.met else 'NOT met'}")
+
+
+def judge(bench: str, figures: dict[str, float], targets: Iterable[Target]) -> list[Verdict]:
+    """One verdict per target, from the measured figures (a missing figure is a bug)."""
+    return [Verdict(bench, target, float(figures[target.figure])) for target in targets]
+
+
+def report(verdicts: list[Verdict], check: bool) -> int:
+    """Print every verdict, then (with check) one line per missed required target.
+    Exit status: 1 when checking and a required target is missed, else 0."""
+    for verdict in verdicts:
+        print(f"  target {verdict.line()}")
+    missed = [v for v in verdicts if v.missed]
+    if not check:
+        return 0
+    for verdict in missed:
+        print(f"target missed: {verdict.bench} {verdict.target.figure}: measured "
+              f"{verdict.measured:.3g}, target {verdict.target.op} {verdict.target.bound:g}")
+    if not missed:
+        print(f"all {sum(v.target.required for v in verdicts)} required targets met")
+    return 1 if missed else 0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    check_help = "exit 1 when a required target is missed, naming each (what `make bench` does)"
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, (_, _, help_text) in BENCHES.items():
-        _bench(name)[0](sub.add_parser(name, help=help_text, description=help_text))
-    sub.add_parser("all", help="every benchmark above, with its defaults (what `make bench` runs)")
+        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
+        _bench(name)[0](bench_parser)
+        bench_parser.add_argument("--check", action="store_true", help=check_help)
+    every = sub.add_parser("all", help="every benchmark above, with its defaults "
+                                       "(`make bench` runs `all --check`)")
+    every.add_argument("--check", action="store_true", help=check_help)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench != "all":
-        return _bench(args.bench)[1](args)
-    worst = 0
+        return report(_bench(args.bench)[1](args), args.check)
+    verdicts = []
     for name in BENCHES:
         configure_bench, run_bench = _bench(name)
         defaults = argparse.ArgumentParser()
         configure_bench(defaults)
         print(f"== labrun bench {name}", flush=True)
-        worst = max(worst, run_bench(defaults.parse_args([])) or 0)
-    return worst
+        verdicts += run_bench(defaults.parse_args([]))
+    print("== targets")
+    return report(verdicts, args.check)
 
 
 def write_json(path: str | os.PathLike | None, figures: dict) -> None:
@@ -82,6 +158,11 @@ def _bench(name: str) -> tuple[Callable, Callable]:
 
 # ---------------------------------------------------------------------------------------------
 # bench data
+
+# The data pipeline's goals, as this benchmark has stated them since it was written: the hdf5
+# pipeline at least 3x the torchvision baseline (required), and at least 75% of the ceiling
+# (stretch: the ceiling leaves nothing for the main process, so it is rarely reached).
+DATA_TARGETS = (Target("speedup", ">=", 3.0), Target("of_ceiling", ">=", 0.75, required=False))
 
 
 def configure_data(parser: argparse.ArgumentParser) -> None:
@@ -112,7 +193,7 @@ def configure_data(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the figures to FILE as JSON")
 
 
-def run_data(args: argparse.Namespace) -> int:
+def run_data(args: argparse.Namespace) -> list[Verdict]:
     from rich.console import Console
 
     from labrun.distributed import pick_device
@@ -141,20 +222,28 @@ def run_data(args: argparse.Namespace) -> int:
         console.print(f"converting {root} -> {h5_path}", highlight=False)
         convert(str(root), str(h5_path), workers=cpu_count(), force=True, console=Console(quiet=True))
     train_dir = root / "train" if (root / "train").is_dir() else root
+    imagefolder = labrun_data({"name": "imagefolder", "root": str(root)}, args)
+    hdf5 = labrun_data({"name": "hdf5", "path": str(h5_path)}, args)
+    # The baseline's DataLoader takes its settings from labrun's, so both do the same work.
+    settings = labrun_loader(imagefolder, args, device)
+    settings = {"persistent_workers": settings.persistent_workers,
+                "prefetch_factor": settings.prefetch_factor, "pin_memory": settings.pin_memory}
+    cuda = device.type == "cuda"
 
     pipelines: dict[str, Callable[[], float]] = {
         "baseline": lambda: measure_loader(
             lambda: baseline_loader(train_dir, args.size, args.batch_size, args.workers,
-                                    args.passes),
-            None if device.type == "cpu" else lambda images: images.to(device), args.seconds),
-        "imagefolder": lambda: measure_labrun(
-            {"name": "imagefolder", "root": str(root)}, args, device),
-        "hdf5": lambda: measure_labrun({"name": "hdf5", "path": str(h5_path)}, args, device),
-        "ceiling": lambda: measure_decode(train_dir, args.seconds) * args.workers,
+                                    args.passes, **settings),
+            None if device.type == "cpu" else lambda images: images.to(device, non_blocking=cuda),
+            args.seconds),
+        "imagefolder": lambda: measure_labrun(imagefolder, args, device),
+        "hdf5": lambda: measure_labrun(hdf5, args, device),
+        "ceiling": lambda: args.workers / seconds_per_sample(hdf5, args.seconds),
     }
     console.print(f"labrun bench data: {described}\nRandomResizedCrop {args.size} + flip + "
                   f"normalised floats on {device}, batch {args.batch_size}, {args.workers} "
-                  f"workers, {cpu_count()} cores, best of {args.rounds} round(s)", highlight=False)
+                  f"workers, {cpu_count()} cores, best of {args.rounds} round(s); both loaders: "
+                  f"{', '.join(f'{k}={v}' for k, v in settings.items())}", highlight=False)
     results = dict.fromkeys(pipelines, 0.0)
     for round_number in range(args.rounds):
         for name, measure in pipelines.items():
@@ -165,7 +254,7 @@ def run_data(args: argparse.Namespace) -> int:
     results["of_ceiling"] = results["hdf5"] / results["ceiling"]
     print_data_results(console, results, args.workers)
     write_json(args.json, {k: round(v, 3) for k, v in results.items()})
-    return 0
+    return judge("data", results, DATA_TARGETS)
 
 
 def print_data_results(console, results: dict[str, float], workers: int) -> None:
@@ -177,19 +266,19 @@ def print_data_results(console, results: dict[str, float], workers: int) -> None
     rows = {"baseline": "1 baseline: torchvision ImageFolder + PIL + transforms",
             "imagefolder": "2 labrun imagefolder + turbojpeg",
             "hdf5": "3 labrun hdf5 + turbojpeg",
-            "ceiling": f"4 ceiling: TurboJPEG decode alone, 1 core x {workers}"}
+            "ceiling": f"4 ceiling: labrun's per-sample work, in-process, x {workers} workers"}
     for key, label in rows.items():
         table.add_row(label, f"{results[key]:.0f}")
     console.print(table)
-    for key, label, kind in (("speedup", "speedup    (3/1)", "required"),
-                             ("of_ceiling", "of_ceiling (3/4)", "stretch")):
-        met = "met" if results[key] >= TARGETS[key] else "NOT met"
-        console.print(f"{label}: {results[key]:.2f}  (target >= {TARGETS[key]}, {kind}: {met})",
-                      highlight=False)
+    console.print(f"speedup    (3/1): {results['speedup']:.2f}\n"
+                  f"of_ceiling (3/4): {results['of_ceiling']:.2f}  (can exceed 1: the ceiling is "
+                  f"timed in one process, not in the loader's workers)", highlight=False)
 
 
-def baseline_loader(train_dir: Path, size: int, batch_size: int, workers: int, passes: int):
-    """What a user writes from the torchvision docs: PIL decode, PIL transforms, float tensors."""
+def baseline_loader(train_dir: Path, size: int, batch_size: int, workers: int, passes: int,
+                    **settings):
+    """What a user writes from the torchvision docs: PIL decode, PIL transforms, float tensors;
+    `settings` (persistent_workers, prefetch_factor, pin_memory) are labrun's loader's."""
     from torch.utils.data import ConcatDataset, DataLoader
     from torchvision import datasets, transforms
 
@@ -200,17 +289,17 @@ def baseline_loader(train_dir: Path, size: int, batch_size: int, workers: int, p
         transforms.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD),
     ])
     dataset = ConcatDataset([datasets.ImageFolder(str(train_dir), transform)] * passes)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
+                      **settings)
 
 
-def measure_labrun(dataset: dict, args: argparse.Namespace, device) -> float:
-    import torch
+def labrun_data(dataset: dict, args: argparse.Namespace):
+    """labrun's Data for the benchmark's images; train repeated --passes times per epoch."""
     from omegaconf import OmegaConf
 
     from labrun import data
     from labrun.config import HDF5Config, ImageFolderConfig
     from labrun.data.sources import SubsetSource
-    from labrun.data.transforms import BatchNormalizer
 
     schema = HDF5Config if dataset["name"] == "hdf5" else ImageFolderConfig
     cfg = OmegaConf.merge(OmegaConf.structured(schema), {
@@ -220,6 +309,20 @@ def measure_labrun(dataset: dict, args: argparse.Namespace, device) -> float:
     train = splits.splits["train"]
     splits.splits["train"] = SubsetSource(train, np.tile(np.arange(len(train)), args.passes),
                                           train.name)
+    return splits
+
+
+def labrun_loader(splits, args: argparse.Namespace, device):
+    """The train loader as the session builds it (workers start only when it is iterated)."""
+    return splits.loader("train", micro_batch_size=args.batch_size, seed=0,
+                         pin_memory=device.type == "cuda")
+
+
+def measure_labrun(splits, args: argparse.Namespace, device) -> float:
+    import torch
+
+    from labrun.data.transforms import BatchNormalizer
+
     # What the session does with each batch. On the CPU as the device, in one thread: a second
     # one would only take turns with the workers on the same cores (measured: -20%).
     normalize = BatchNormalizer(torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1),
@@ -229,8 +332,7 @@ def measure_labrun(dataset: dict, args: argparse.Namespace, device) -> float:
     torch.set_num_threads(1)
     try:
         return measure_loader(
-            lambda: splits.loader("train", micro_batch_size=args.batch_size, seed=0,
-                                  pin_memory=cuda),
+            lambda: labrun_loader(splits, args, device),
             lambda images: normalize(images.to(device, non_blocking=cuda)), args.seconds)
     finally:
         torch.set_num_threads(threads)
@@ -271,23 +373,29 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def measure_decode(train_dir: Path, seconds: float) -> float:
-    """One process decoding the same JPEG bytes at full size with TurboJPEG, images/s."""
-    from turbojpeg import TJPF_RGB, TurboJPEG
+def seconds_per_sample(splits, seconds: float) -> float:
+    """Mean seconds of one train sample's work as a loader worker does it (ImageDataset: read,
+    decode of the crop, resize, flip), in this process, one thread as in a worker; over every
+    image at least once and for at least `seconds`, after a warm-up of a few samples."""
+    import torch
 
-    turbo = TurboJPEG()
-    encoded = [p.read_bytes() for p in sorted(train_dir.rglob("*")) if p.is_file()]
-    encoded = [e for e in encoded if e[:3] == b"\xff\xd8\xff"]
-    if not encoded:
-        raise LabrunError(f"{train_dir} has no JPEG files to decode")
-    for data in encoded[:20]:
-        turbo.decode(data, pixel_format=TJPF_RGB)
-    start, count = time.perf_counter(), 0
-    while count < len(encoded) or time.perf_counter() - start < seconds:
-        for data in encoded:
-            turbo.decode(data, pixel_format=TJPF_RGB)
-        count += len(encoded)
-    return count / (time.perf_counter() - start)
+    from labrun.data import ImageDataset
+
+    dataset = ImageDataset(splits.splits["train"], splits.transform("train"), 0, "train")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # DataLoader workers run torch with one thread
+    try:
+        for index in range(min(20, len(dataset))):
+            dataset[0, index]
+        start, count, epoch = time.perf_counter(), 0, 1
+        while count < len(dataset) or time.perf_counter() - start < seconds:
+            for index in range(len(dataset)):
+                dataset[epoch, index]  # a new epoch draws new crops, as in training
+            count += len(dataset)
+            epoch += 1
+        return (time.perf_counter() - start) / count
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,7 +471,7 @@ def photo_like(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
 # name -> (module, suffix of its configure<suffix>/run<suffix> functions, one-line help)
 BENCHES: dict[str, tuple[str, str, str]] = {
     "data": ("labrun.bench", "_data",
-             "data loading: torchvision baseline vs labrun imagefolder and hdf5 vs decode ceiling"),
+             "data loading: torchvision baseline vs labrun imagefolder and hdf5 vs a ceiling"),
     "trainer": ("labrun.bench_trainer", "_trainer",
                 "TrainingSession vs a bare PyTorch loop on the same batches"),
     "startup": ("labrun.bench_trainer", "_startup",

@@ -1,0 +1,121 @@
+"""`labrun bench --check`: measured figures -> verdicts -> exit status and one line per miss.
+
+The figures are injected here (the real benchmarks take minutes and their numbers depend on the
+machine); the smoke runs in test_data_bench.py measure for real.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from labrun import bench, bench_serve, bench_trainer, cli
+from labrun.bench import DATA_TARGETS, Target, judge, report
+from labrun.bench_serve import SERVE_TARGETS
+from labrun.bench_trainer import STARTUP_TARGETS, TRAINER_TARGETS
+
+REQUIRED_SPEEDUP = next(t for t in DATA_TARGETS if t.figure == "speedup").bound
+
+
+def data_figures(speedup: float, of_ceiling: float) -> dict[str, float]:
+    return {"baseline": 1000.0, "hdf5": 1000.0 * speedup, "speedup": speedup,
+            "of_ceiling": of_ceiling}
+
+
+def test_a_missed_required_target_fails_the_check_and_is_named(capsys):
+    verdicts = judge("data", data_figures(REQUIRED_SPEEDUP * 0.75, 0.9), DATA_TARGETS)
+    assert report(verdicts, check=True) == 1
+    out = capsys.readouterr().out
+    missed = [line for line in out.splitlines() if line.startswith("target missed:")]
+    assert missed == [f"target missed: data speedup: measured {REQUIRED_SPEEDUP * 0.75:.3g}, "
+                      f"target >= {REQUIRED_SPEEDUP:g}"]
+
+
+def test_every_target_met_passes_the_check(capsys):
+    verdicts = judge("data", data_figures(REQUIRED_SPEEDUP * 1.1, 0.9), DATA_TARGETS)
+    assert all(v.met for v in verdicts)
+    assert report(verdicts, check=True) == 0
+    assert "target missed" not in capsys.readouterr().out
+
+
+def test_a_target_met_exactly_counts_as_met():
+    assert judge("data", data_figures(REQUIRED_SPEEDUP, 0.9), DATA_TARGETS)[0].met
+
+
+def test_a_missed_stretch_target_is_shown_but_does_not_fail_the_check(capsys):
+    verdicts = judge("data", data_figures(REQUIRED_SPEEDUP * 1.1, 0.1), DATA_TARGETS)
+    stretch = next(v for v in verdicts if v.target.figure == "of_ceiling")
+    assert not stretch.met and not stretch.missed
+    assert report(verdicts, check=True) == 0
+    assert "data of_ceiling: measured 0.1, target >= 0.75 (stretch, not checked): NOT met" \
+        in capsys.readouterr().out
+
+
+def test_without_check_a_miss_is_reported_but_exits_0(capsys):
+    verdicts = judge("data", data_figures(REQUIRED_SPEEDUP / 2, 0.1), DATA_TARGETS)
+    assert report(verdicts, check=False) == 0
+    out = capsys.readouterr().out
+    assert "(required): NOT met" in out and "target missed" not in out
+
+
+@pytest.mark.parametrize("targets, figure", [(TRAINER_TARGETS, "ratio"),
+                                             (STARTUP_TARGETS, "difference_s"),
+                                             (SERVE_TARGETS, "errors")])
+def test_each_benchmark_fails_on_either_side_of_its_bound(targets, figure):
+    (target,) = targets
+    worse, better = (target.bound * 0.9, target.bound * 1.1) if target.op == ">=" else \
+        (target.bound, target.bound - 0.5)
+    assert [v.met for v in judge("b", {figure: worse}, targets)] == [False]
+    assert [v.met for v in judge("b", {figure: better}, targets)] == [True]
+
+
+def test_a_nan_figure_meets_no_target():
+    for op in (">=", "<"):
+        assert not judge("b", {"x": math.nan}, [Target("x", op, 1.0)])[0].met
+
+
+def test_a_figure_the_benchmark_did_not_measure_is_an_error():
+    with pytest.raises(KeyError):
+        judge("data", {"speedup": 4.0}, DATA_TARGETS)
+
+
+def fake_benchmarks(monkeypatch, speedup: float, ratio: float, difference_s: float,
+                    errors: int) -> None:
+    """Every benchmark's run function replaced by one that returns injected figures."""
+    monkeypatch.setattr(bench, "run_data", lambda args: judge(
+        "data", data_figures(speedup, 0.9), DATA_TARGETS))
+    monkeypatch.setattr(bench_trainer, "run_trainer", lambda args: judge(
+        "trainer", {"ratio": ratio}, TRAINER_TARGETS))
+    monkeypatch.setattr(bench_trainer, "run_startup", lambda args: judge(
+        "startup", {"difference_s": difference_s}, STARTUP_TARGETS))
+    monkeypatch.setattr(bench_serve, "run", lambda args: judge(
+        "serve", {"errors": errors}, SERVE_TARGETS))
+
+
+def test_bench_all_check_through_the_cli_names_every_miss_and_exits_1(monkeypatch, capsys):
+    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP / 2, ratio=0.5, difference_s=9.0,
+                    errors=3)
+    assert cli.main(["bench", "all", "--check"]) == 1
+    out = capsys.readouterr().out
+    missed = {line.split(":")[1].strip() for line in out.splitlines()
+              if line.startswith("target missed:")}
+    assert missed == {"data speedup", "trainer ratio", "startup difference_s", "serve errors"}
+    assert "target missed: startup difference_s: measured 9, target < 1.5" in out
+
+
+def test_bench_all_check_through_the_cli_exits_0_when_all_are_met(monkeypatch, capsys):
+    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP * 2, ratio=1.0, difference_s=0.5,
+                    errors=0)
+    assert cli.main(["bench", "all", "--check"]) == 0
+    assert "target missed" not in capsys.readouterr().out
+    assert cli.main(["bench", "all"]) == 0
+
+
+def test_one_benchmark_with_check_through_the_cli(monkeypatch, capsys):
+    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP * 2, ratio=0.5, difference_s=0.5,
+                    errors=0)
+    assert cli.main(["bench", "trainer", "--check"]) == 1
+    assert cli.main(["bench", "data", "--check"]) == 0
+    assert cli.main(["bench", "trainer"]) == 0
+    assert capsys.readouterr().out.count("target missed: trainer ratio: measured 0.5") == 1
