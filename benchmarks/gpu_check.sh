@@ -26,8 +26,8 @@ print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
 PY
 
 echo "== labrun bench data (2 workers), normalised on the GPU, then on the CPU"
-# The pipelines' lines and the verdicts (the output ends with one line per target).
-labrun bench data --device cuda --json "$OUT/bench_data_cuda.json" 2>&1 | grep -E "img|speedup|ceiling|target"
+# The table and the verdicts (one line per target), without the per-round lines.
+labrun bench data --device cuda --json "$OUT/bench_data_cuda.json" 2>&1 | grep -vE "^ +round "
 labrun bench data --device cpu --json "$OUT/bench_data_cpu.json" 2>&1 | grep -E "speedup|ceiling|target"
 
 echo "== ResNet-50 training, synthetic 224 px, batch 256, channels_last"
