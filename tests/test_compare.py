@@ -25,6 +25,8 @@ def sweep(tmp_path_factory) -> Path:
     args = [PYTHON, str(PROJECT / "train.py"), "-m", *FAST, "trainer.max_epochs=1",
             "trainer.limit_train_batches=3", f"optimizer.lr={','.join(LRS)}",
             f"hydra.sweep.dir={sweep_dir}"]
+    # Three tiny jobs one after another (no GPU here), under a minute each on a loaded 2-core
+    # machine; 300 s only keeps a hung sweep from blocking the suite.
     result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return sweep_dir

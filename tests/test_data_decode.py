@@ -167,6 +167,7 @@ turbojpeg.TurboJPEG.__init__ = missing
 from labrun.data import decode
 print(decode.resolve("turbojpeg"), decode.resolve("turbojpeg"), decode.resolve("pil"))
 """
+    # A Python that imports labrun.data: a few seconds; 60 s only stops a hang.
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=60, check=True)
     assert result.stdout.split() == ["pil", "pil", "pil"]

@@ -19,6 +19,7 @@ SECRET = "wandb-key-that-must-never-be-printed-0123456789"
 def test_doctor_json_has_every_check_and_never_prints_the_key():
     env = {**os.environ, "WANDB_API_KEY": SECRET}
     env.pop("WANDB_MODE", None)
+    # doctor imports torch and asks git, SLURM and the disks: seconds; 120 s: a hung check.
     result = subprocess.run([LABRUN, "doctor", "--json", "--partition", "no-such-partition"],
                             capture_output=True, text=True, timeout=120, cwd=PROJECT, env=env)
     checks = json.loads(result.stdout)
@@ -55,4 +56,6 @@ def test_table_lists_checks_with_their_fixes(capsys):
 
 def test_two_process_all_reduce_runs_on_the_cpu_with_gloo():
     """The orchestration behind the NCCL check (spawn, rendezvous, exit codes), on gloo."""
+    # Two spawned processes import torch and meet: seconds, several times that on a loaded
+    # machine; 60 s bounds a rendezvous that never happens.
     assert doctor.two_process_all_reduce(backend="gloo", timeout_s=60) is None

@@ -19,6 +19,7 @@ OFFLINE = {"WANDB_MODE": "offline", "WANDB_API_KEY": "", "NETRC": "/nonexistent"
 
 def inspect_records(offline_run: Path) -> list[dict]:
     """The records of an offline run, read back with W&B's own tool."""
+    # Reading a small local file takes a second or two; 120 s: a hung reader fails the test.
     out = subprocess.run([WANDB, "leet", "inspect", "--json", str(offline_run)],
                          capture_output=True, text=True, check=True, timeout=120).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -61,7 +62,7 @@ def test_offline_run_matches_the_run_folder(wandb_run):
 
     summary = json.loads(subprocess.run(
         [WANDB, "leet", "inspect", "--summary", "--json", str(offline)], capture_output=True,
-        text=True, check=True).stdout)
+        text=True, check=True, timeout=120).stdout)  # as in inspect_records
     local = read_summary(run_dir)
     assert summary["state"] == "finished"
     assert summary["summary"]["best/val/acc"] == pytest.approx(local["best/val/acc"])
@@ -72,7 +73,10 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
     run_dir = tmp_path / "run"
     proc = start_train("logger=wandb", "trainer.max_epochs=2", run_dir=run_dir, env=OFFLINE)
     wait_for(run_dir / "checkpoints" / "step-00000022.pt", proc)
+    # Wherever the SIGTERM lands (in epoch 2, or after a fast run already ended), the second
+    # command resumes from a checkpoint of this folder: what this test checks holds either way.
     proc.send_signal(signal.SIGTERM)  # interrupted: checkpoint, then wandb.finish()
+    # It stops at the next step boundary and closes the offline run: seconds; 60 s: a hang.
     proc.wait(timeout=60)
     run_train("logger=wandb", "trainer.max_epochs=2", run_dir=run_dir, env=OFFLINE)
     first, second = offline_runs(run_dir)
