@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml setup.py src/labrun/data/_jpeg_region.c scripts/setup.s
 train: $(STAMP)   ## the default job: digits, small CNN, CPU, about a minute
 	$(PY) train.py
 
-test: $(STAMP)    ## every test; brings up the single-node SLURM cluster when root
+test: $(STAMP)    ## every test; as root it brings up the test SLURM cluster first
 	bash scripts/test.sh
 
 bench: $(STAMP)   ## benchmarks as ratios against a baseline of the same run; exit 1 on a missed target

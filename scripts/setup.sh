@@ -11,6 +11,8 @@ missing=()
 ldconfig -p | grep -q libturbojpeg || missing+=(libturbojpeg0)
 [ -e /usr/include/jpeglib.h ] || missing+=(libjpeg62-turbo-dev)
 command -v cc >/dev/null || missing+=(gcc libc6-dev)
+# trainer.compile=true on the CPU: torch.compile's inductor writes and compiles C++.
+command -v g++ >/dev/null || missing+=(g++)
 PYTHON=${PYTHON:-python3}
 [ -e "$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] \
     || missing+=(python3-dev)

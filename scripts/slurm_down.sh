@@ -5,7 +5,8 @@
 # config files in /etc/slurm. Idempotent: nothing running and no state dir is a success.
 set -euo pipefail
 
-STATE="${LABRUN_SLURM_STATE:-/tmp/labrun-slurm}"
+# shellcheck source=scripts/slurm/common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/slurm/common.sh"
 log() { echo "slurm_down: $*"; }
 
 # Cancel jobs while the controller is still up so no job steps outlive the cluster.
@@ -23,13 +24,6 @@ if [ -s "$STATE/pids/slurmctld.pid" ] && command -v scancel >/dev/null \
     fi
 fi
 
-# running PID: true if PID exists and is not a zombie. Our daemons are re-parented to PID 1, which
-# reaps them only a second or two after they exit; `kill -0` alone would make every stop that slow.
-running() {
-    local st
-    st="$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" || return 1
-    [ -n "$st" ] && [ "$st" != Z ]
-}
 
 # stop NAME EXPECTED_COMM: SIGTERM the recorded PID (only if it still is that daemon: a stale pid
 # file after a reboot may point at an unrelated process), wait up to 15 s, then SIGKILL.
@@ -63,14 +57,14 @@ stop slurmdbd slurmdbd
 stop mariadbd mariadbd
 stop munged munged
 
-# slurmstepd processes detach from slurmd; any left over (a job that ignored the cancel) belong to
-# this cluster, the only one on the machine, and so does a Slurm daemon whose pid file was lost
-# (an earlier cluster killed half-way): end them by PID.
+# slurmstepd processes detach from slurmd; any of this cluster's left over (a job that ignored
+# the cancel), and a daemon of it whose pid file was lost (an earlier cluster killed half-way):
+# end them by PID.
 for p in /proc/[0-9]*; do
     comm="$(cat "$p/comm" 2>/dev/null)" || continue
-    case "$comm" in slurmstepd|slurmd|slurmctld|slurmdbd) ;; *) continue;; esac
+    case "$comm" in slurmstepd|slurmd|slurmctld|slurmdbd|munged|mariadbd) ;; *) continue;; esac
     pid="${p#/proc/}"
-    running "$pid" || continue
+    running "$pid" && ours "$pid" || continue
     log "killing leftover $comm (pid $pid)"
     kill -KILL "$pid" 2>/dev/null || true
     stopped+=("$pid")
@@ -87,7 +81,9 @@ for ns in $(ip netns list 2>/dev/null | awk '/^labrun-node/ {print $1}'); do
     ip netns delete "$ns" 2>/dev/null || true
 done
 ip link delete labrun0 2>/dev/null || true
-rm -f /etc/slurm/slurm.conf /etc/slurm/gres.conf /etc/slurm/slurmdbd.conf
+for f in /etc/slurm/slurm.conf /etc/slurm/gres.conf /etc/slurm/slurmdbd.conf; do
+    grep -qF "$MARKER" "$f" 2>/dev/null && rm -f "$f"
+done
 
 # Let PID 1 reap the exited daemons (up to 5 s) so that `ps` right after this script shows none.
 for _ in $(seq 25); do

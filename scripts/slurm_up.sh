@@ -18,10 +18,11 @@
 #
 # Env: LABRUN_SLURM_STATE  state dir (default /tmp/labrun-slurm): logs, pids, spool, database.
 #                          Must be the same for slurm_up.sh and slurm_down.sh.
-set -euo pipefail
+set -Eeuo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-STATE="${LABRUN_SLURM_STATE:-/tmp/labrun-slurm}"
+# shellcheck source=scripts/slurm/common.sh
+. "$HERE/slurm/common.sh"
 PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-client rsync iproute2)
 DB_SOCKET="$STATE/mysql/mysqld.sock"
 MUNGE_SOCKET="$STATE/munge/munge.socket"
@@ -33,7 +34,7 @@ NODE_RANGE="node[1-3]"
 node_addr() { echo "10.77.0.1${1#node}"; }
 netns() { echo "labrun-$1"; }
 # What each node declares (SlurmdParameters=config_overrides): a lab's GPU node, so that
-# cluster=lab as written (8 CPUs, 32 GB per task) fits two 2-GPU jobs on one node.
+# cluster=lab as written (8 CPUs per task, 32 GB per node) fits two 2-GPU jobs on one node.
 NODE_CPUS=32
 NODE_MEM_MB=196608
 NODE_GPUS=4
@@ -57,16 +58,15 @@ die() {
     exit 1
 }
 log() { echo "slurm_up: $*"; }
+# Any command that fails without its own `|| die` still ends in one line naming it.
+trap 'trap - ERR; die "line $LINENO: $BASH_COMMAND failed"' ERR
 
 [ "$(id -u)" = 0 ] || die "must run as root (starts daemons, network namespaces, writes /etc/slurm)"
+if [ -e /etc/slurm/slurm.conf ] && ! grep -qF "$MARKER" /etc/slurm/slurm.conf; then
+    die "/etc/slurm/slurm.conf was not written by slurm_up.sh: this machine has a Slurm of its" \
+        "own, which the test cluster would replace; run the tests on another machine"
+fi
 
-# running PID: true if PID exists and is not a zombie. Daemons here are re-parented to PID 1,
-# which reaps them only after a second or two, so `kill -0` alone would see a dead daemon as alive.
-running() {
-    local st
-    st="$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" || return 1
-    [ -n "$st" ] && [ "$st" != Z ]
-}
 
 # pid_alive NAME: true if the daemon recorded under NAME is still running.
 pid_alive() {
@@ -92,7 +92,7 @@ all_nodes_usable() { local n; for n in "${NODES[@]}"; do node_usable "$n" || ret
 
 # Fingerprint of this script and the templates: a running cluster brought up from other
 # versions of them is restarted, so config edits take effect on the next slurm_up.sh.
-config_id() { cat "$HERE/slurm_up.sh" "$HERE/slurm_down.sh" "$HERE"/slurm/*.in | sha256sum | cut -d' ' -f1; }
+config_id() { cat "$HERE/slurm_up.sh" "$HERE/slurm_down.sh" "$HERE"/slurm/* | sha256sum | cut -d' ' -f1; }
 
 healthy() {
     local d
@@ -141,6 +141,8 @@ start_node() {
 if [ "${1:-}" = --restart-node ]; then
     n="${2:?--restart-node needs a node name}"
     for pid in $(ip netns pids "$(netns "$n")" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+    # The old slurmd must be gone before the new one binds its port.
+    wait_for 10 bash -c "[ -z \"\$(ip netns pids $(netns "$n"))\" ]" || die "$n: processes survive SIGKILL"
     start_node "$n"
     # The node registers within seconds; DOWN (not responding) nodes need an explicit resume.
     wait_for 60 bash -c "sinfo -h -N -n $n -o %T | grep -qv '\*'" || true
@@ -219,6 +221,7 @@ for i in $(seq 0 $(( NODE_GPUS - 1 ))); do mknod "$STATE/dev/nvidia$i" c 195 "$i
 } >"$STATE/hosts"
 
 # ---- 3. The network: a bridge, and one namespace per node on it -----------------------------
+STARTED=1   # from here on a failure tears down what was made (slurm_down.sh removes it all)
 ip link add "$BRIDGE" type bridge || die "cannot create bridge $BRIDGE"
 ip addr add "$CTL_ADDR/24" dev "$BRIDGE"
 ip link set "$BRIDGE" up
@@ -237,7 +240,6 @@ dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
 chown -R munge:munge "$STATE/munge"
 chmod 755 "$STATE/munge"   # munged requires its socket's folder to be reachable by everyone
 chmod 400 "$STATE/munge/munge.key"
-STARTED=1
 start munged setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged --foreground \
     --socket="$MUNGE_SOCKET" --key-file="$STATE/munge/munge.key" \
     --pid-file="$STATE/munge/munged.pid" --log-file="$STATE/munge/munged.log" \

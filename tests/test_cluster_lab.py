@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -19,7 +20,6 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import (
     DDP_LOSS_TOLERANCE,
@@ -31,6 +31,8 @@ from conftest import (
     PROJECT,
     PYTHON,
     assert_identical,
+    final_weights,
+    manifest,
     max_difference,
     rank_records,
     read_metrics,
@@ -39,6 +41,7 @@ from conftest import (
     run_train,
     wait_for,
 )
+from labrun.launch import SLURM_COMMENT_PREFIX
 
 pytestmark = pytest.mark.slurm
 
@@ -60,19 +63,51 @@ def lab_cluster():
                     "`make test` as root starts it (scripts/slurm_up.sh)")
 
 
+SWEEPS: list[tuple[Path, subprocess.Popen]] = []  # every sweep started, for the clean-up
+
+
 def sweep(sweep_dir: Path, *overrides: str, env: dict[str, str] | None = None
           ) -> subprocess.Popen:
     """`python train.py -m cluster=lab ...` in the background."""
     args = [PYTHON, "train.py", "-m", *LAB, *FAST, *overrides, f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.Popen(args, cwd=PROJECT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(args, cwd=PROJECT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
+    SWEEPS.append((sweep_dir, proc))
+    return proc
+
+
+OUTPUTS: dict[int, str] = {}
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
-    # 600 s: a few short trainings sharing two cores with the rest of the sweep's jobs.
-    output, _ = proc.communicate(timeout=timeout)
-    return output
+    """The sweep's output once it has ended (asked again, the same output)."""
+    if proc.pid not in OUTPUTS:
+        # 600 s: a few short trainings sharing two cores with the rest of the sweep's jobs.
+        OUTPUTS[proc.pid] = proc.communicate(timeout=timeout)[0]
+    return OUTPUTS[proc.pid]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_job_left_behind():
+    """Whatever a failed test leaves (a sweep still waiting, its jobs), the cluster is clean for
+    the tests that follow: Ctrl-C makes each launcher cancel its own jobs, and any job marked
+    with one of this module's sweep folders is cancelled."""
+    yield
+    for _, proc in SWEEPS:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)  # cancelling takes a second or two; 60 s: a hang
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    folders = [f"{SLURM_COMMENT_PREFIX}{folder.resolve()}" for folder, _ in SWEEPS]
+    queue = subprocess.run(["squeue", "-h", "-o", "%A|%k"], capture_output=True, text=True,
+                           timeout=30).stdout
+    left = [job for job, _, comment in (line.partition("|") for line in queue.splitlines())
+            if comment in folders]
+    if left:
+        subprocess.run(["scancel", *left], check=False)
 
 
 def sbatch(*args: str) -> str:
@@ -88,16 +123,8 @@ def sacct(job_id: str, fields: str) -> list[dict[str, str]]:
     return [dict(zip(names, line.split("|"), strict=True)) for line in out.stdout.splitlines()]
 
 
-def manifest(sweep_dir: Path) -> dict:
-    return json.loads((sweep_dir / "jobs.json").read_text())
-
-
 def environment(run_dir: Path) -> dict:
     return json.loads((run_dir / "provenance" / "environment.json").read_text())
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
 def losses(run_dir: Path) -> list[tuple]:
@@ -127,6 +154,7 @@ class Trigger:
 
     def join(self) -> None:
         self.thread.join(timeout=900)  # the trigger waits at most wait_for's 300 s
+        assert not self.thread.is_alive(), f"{type(self).__name__}: the trigger never ended"
         if self.error is not None:
             raise self.error
 
@@ -185,14 +213,16 @@ class NodeFailure(Trigger):
         namespace = f"labrun-{self.node}"
         pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
                               text=True, check=True).stdout.split()
-        assert str((STATE / "pids" / f"slurmd-{self.node}.pid").read_text().strip()) in pids
+        assert (STATE / "pids" / f"slurmd-{self.node}.pid").read_text().strip() in pids
         for pid in pids:
             subprocess.run(["kill", "-KILL", pid], check=False)
 
     def restore(self) -> None:
+        """The node back for the tests that follow (once: the test does it, or else teardown)."""
         if self.node:
             subprocess.run(["bash", str(PROJECT / "scripts" / "slurm_up.sh"), "--restart-node",
                             self.node], check=True, capture_output=True, timeout=180)
+            self.node = None
 
 
 @dataclass
@@ -220,9 +250,6 @@ def scenarios(tmp_path_factory):
     preemption = Preemption.start(root / "preemption")
     failure = NodeFailure.start(root / "failure")
     yield {"fair": fair, "preemption": preemption, "failure": failure}
-    for proc in (preemption.proc, failure.proc):
-        if proc.poll() is None:
-            proc.kill()
     jobs = [fair.usage_job, fair.vision, fair.nlp, preemption.placeholder]
     subprocess.run(["scancel", *jobs, *([preemption.urgent] if preemption.urgent else [])],
                    check=False)
@@ -242,7 +269,7 @@ def test_preempted_scavenger_job_requeues_resumes_and_matches_its_twin(scenarios
     log = Path(manifest(preemption.sweep_dir)["jobs"][1]["log"]).read_text()
     assert "SIGUSR2" in log and "resuming from" in log  # its --signal came, then a restart
     assert read_summary(preempted)["requeued"] >= 1 and read_summary(twin)["requeued"] == 0
-    assert_identical(weights(preempted), weights(twin))
+    assert_identical(final_weights(preempted), final_weights(twin))
     assert losses(preempted) == losses(twin)
 
     [urgent] = sacct(preemption.urgent, "State,Submit,Start")
@@ -259,15 +286,17 @@ def test_preempted_scavenger_job_requeues_resumes_and_matches_its_twin(scenarios
 
 def test_a_failed_node_requeues_its_job_which_resumes_elsewhere_losing_nothing(scenarios):
     failure: NodeFailure = scenarios["failure"]
-    twin = scenarios["preemption"].sweep_dir / "0"  # the same deterministic run, never stopped
+    preemption: Preemption = scenarios["preemption"]
+    twin = preemption.sweep_dir / "0"  # the same deterministic run, never stopped
     failure.join()
     output = finish(failure.proc)
     assert failure.proc.returncode == 0, output
     run = failure.sweep_dir / "0"
     assert read_summary(run)["status"] == "completed"
     assert environment(run)["hostname"] not in (failure.node, "node3")
-    assert read_summary(twin)["status"] == "completed"  # finished in the preemption test
-    assert_identical(weights(run), weights(twin))
+    finish(preemption.proc)  # the twin's sweep (done already when the preemption test ran)
+    assert read_summary(twin)["status"] == "completed"
+    assert_identical(final_weights(run), final_weights(twin))
     assert losses(run) == losses(twin)  # every point, once, as the uninterrupted run has it
     status = run_labrun("status", str(failure.sweep_dir))
     assert "requeued 1x" in status.stdout, status.stdout
@@ -330,7 +359,7 @@ def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenar
     short_output = finish(short)
     assert short.returncode == 0, short_output
     two = tmp_path / "short" / "0"
-    difference = max_difference(weights(two), weights(one))
+    difference = max_difference(final_weights(two), final_weights(one))
     loss_gap = abs(read_summary(two)["val/loss"] - read_summary(one)["val/loss"])
     print(f"two nodes vs one process: weights {difference:.2e}, val/loss {loss_gap:.2e}")
     assert difference <= DDP_WEIGHT_TOLERANCE and loss_gap <= DDP_LOSS_TOLERANCE
@@ -345,7 +374,7 @@ def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenar
     assert sorted(r["host"] for r in rank_records(plain)) == ["node1", "node2"]
     log = Path(manifest(sweep_dir)["jobs"][1]["log"]).read_text()
     assert "SIGUSR2" in log and "resuming from" in log
-    assert_identical(weights(requeued), weights(plain))
+    assert_identical(final_weights(requeued), final_weights(plain))
     assert losses(requeued) == losses(plain)
     assert read_summary(requeued)["requeued"] >= 1
     ids = {job["job_id"].split("_")[0] for job in manifest(sweep_dir)["jobs"]}
@@ -369,7 +398,7 @@ def test_fair_share_favours_the_account_that_used_less_and_queue_says_why(scenar
     assert [p["job_id"] for p in view["pending"]].index(fair.nlp) < \
         [p["job_id"] for p in view["pending"]].index(fair.vision)  # listed first
     shares = {(s["account"], s["user"]): s for s in view["fair_share"]}
-    assert shares[("vision", "root")]["usage"] > 0 == shares[("nlp", "root")]["usage"]
+    assert shares[("vision", "root")]["usage"] > 0 and shares[("nlp", "root")]["usage"] == 0
     assert shares[("vision", "root")]["fairshare"] < shares[("nlp", "root")]["fairshare"]
     text = run_labrun("queue").stdout
     assert "Fair share" in text and fair.nlp in text
@@ -386,7 +415,7 @@ def test_queue_shows_the_users_labrun_sweeps_and_gpus_in_use(tmp_path):
         while True:
             view = json.loads(run_labrun("queue", "--json").stdout)
             mine = [s for s in view["sweeps"] if s["sweep_dir"] == str(tmp_path.resolve())]
-            if mine and mine[0]["jobs"].get("running") == 2 or time.time() > deadline:
+            if (mine and mine[0]["jobs"].get("running") == 2) or time.time() > deadline:
                 break
             time.sleep(2)
         assert mine and mine[0]["jobs"] == {"running": 2}, view["sweeps"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, LABRUN, PROJECT, PYTHON, read_summary
+from conftest import FAST, LABRUN, PROJECT, PYTHON, manifest, read_summary
 
 TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
 
@@ -27,9 +27,9 @@ def sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=600)
 
 
-def manifest(sweep_dir: Path) -> list[dict]:
+def job_rows(sweep_dir: Path) -> list[dict]:
     """The rows of the sweep's jobs.json, the launcher's own record of each job."""
-    return json.loads((sweep_dir / "jobs.json").read_text())["jobs"]
+    return manifest(sweep_dir)["jobs"]
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
@@ -49,7 +49,7 @@ def test_four_jobs_two_at_a_time_on_distinct_gpus(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"sweep: 4 jobs in {tmp_path.resolve()}, at most 2 at once on GPUs [0, 1, 2, 3]" \
         in result.stdout
-    rows = manifest(tmp_path)
+    rows = job_rows(tmp_path)
     assert [row["num"] for row in rows] == [0, 1, 2, 3]
     for row in rows:
         summary = read_summary(Path(row["dir"]))
@@ -87,7 +87,7 @@ def test_a_failing_job_leaves_the_others_and_a_rerun_skips_completed(tmp_path):
     finished = {n: (tmp_path / n / "summary.json").stat().st_mtime_ns for n in ("0", "2")}
 
     # jobs.json records each job as it ran: its overrides, folder, log, outcome and exit code.
-    rows = manifest(tmp_path)
+    rows = job_rows(tmp_path)
     assert [row["num"] for row in rows] == [0, 1, 2]
     for row, lr in zip(rows, ("0.001", "-1", "0.003"), strict=True):
         num = row["num"]
@@ -115,7 +115,7 @@ def test_a_failing_job_leaves_the_others_and_a_rerun_skips_completed(tmp_path):
         assert (tmp_path / num / "summary.json").stat().st_mtime_ns == mtime
     log = (tmp_path / "1" / "job.log").read_text()
     assert log.count("must be greater than 0") == 2  # only the failed job ran again
-    rows = manifest(tmp_path)  # ... and the launcher started no process for the others
+    rows = job_rows(tmp_path)  # ... and the launcher started no process for the others
     assert [(row["state"], row["returncode"]) for row in rows] == [
         ("skipped", None), ("failed", 2), ("skipped", None)]
 
@@ -155,7 +155,7 @@ def test_an_interrupted_optuna_search_continues_its_study(tmp_path):
     # The trial stops at its next step boundary with a checkpoint, then the search exits: a
     # matter of seconds; 120 s only catches a stop that never comes.
     proc.communicate(timeout=120)
-    trial = manifest(tmp_path)[2]  # the launcher waited for it and recorded how it ended
+    trial = job_rows(tmp_path)[2]  # the launcher waited for it and recorded how it ended
     assert (trial["state"], trial["returncode"]) == ("interrupted", 130)
     assert trial["started_at"] < trial["ended_at"]
 

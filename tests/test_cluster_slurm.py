@@ -20,6 +20,7 @@ from conftest import (
     PROJECT,
     PYTHON,
     assert_identical,
+    manifest,
     read_metrics,
     read_summary,
     wait_for,
@@ -51,15 +52,11 @@ def sweep_args(sweep_dir: Path, *overrides: str) -> list[str]:
             f"hydra.sweep.dir={sweep_dir}"]
 
 
-# timeout: a sweep here is two or three tiny jobs on the one-node cluster, each under a minute
+# timeout: a sweep here is two or three tiny jobs on the test cluster, each under a minute
 # on a loaded 2-core machine; 300 s only keeps a hung sweep from blocking the suite.
 def run_sweep(sweep_dir: Path, *overrides: str, timeout: int = 300):
     return subprocess.run(sweep_args(sweep_dir, *overrides), cwd=PROJECT, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def manifest(sweep_dir: Path) -> dict:
-    return json.loads((sweep_dir / "jobs.json").read_text())
 
 
 def sacct_state(job_id: str) -> str:

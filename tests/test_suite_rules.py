@@ -112,15 +112,15 @@ def test_the_workflow_runs_the_suite_in_privileged_debian_12_as_root():
 
 
 def test_the_declared_wandb_is_one_whose_leet_inspect_the_tests_use():
-    """test_tracking reads runs back with `wandb leet inspect --json`, first tested on 0.31."""
-    import tomllib
-    from importlib.metadata import version
+    """test_tracking reads runs back with `wandb leet inspect --json`, first tested on 0.31.
+    The requirement is read from the installed metadata: what pip enforces (`make` reinstalls
+    when pyproject.toml changes)."""
+    from importlib.metadata import requires, version
 
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    project = tomllib.loads((PROJECT / "pyproject.toml").read_text())["project"]
-    wandb = next(Requirement(r) for r in project["dependencies"] if r.startswith("wandb"))
+    wandb = next(Requirement(r) for r in requires("labrun") if r.startswith("wandb"))
     lowest = min(Version(spec.version) for spec in wandb.specifier if spec.operator == ">=")
     assert lowest >= Version("0.31"), f"pyproject allows {wandb}, older than leet inspect"
     assert Version(version("wandb")) in wandb.specifier

@@ -52,7 +52,7 @@ def slurm(*args: str) -> list[list[str]]:
     # controller is slow; past that it is down.
     out = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
     if out.returncode != 0:
-        raise LabrunError(f"{' '.join(args[:1])} failed: {out.stderr.strip()}; "
+        raise LabrunError(f"{args[0]} failed: {out.stderr.strip()}; "
                           "is the SLURM controller up? (labrun doctor)")
     return [[cell.strip() for cell in line.split("|")]
             for line in out.stdout.splitlines() if line.strip()]

@@ -145,9 +145,12 @@ def requeued_after_node_failure(handle: Any) -> bool:
     squeue, the controller's own view, already shows the requeued job pending."""
     if handle.state != "NODE_FAIL":
         return False
-    # 30 s: squeue waits out SLURM's 10 s message timeout once or twice when slurmctld is busy.
-    out = subprocess.run(["squeue", "-h", "-j", str(handle.job_id), "-o", "%T"],
-                         capture_output=True, text=True, timeout=30)
+    try:
+        # 30 s: squeue waits out SLURM's 10 s message timeout once or twice when busy.
+        out = subprocess.run(["squeue", "-h", "-j", str(handle.job_id), "-o", "%T"],
+                             capture_output=True, text=True, timeout=30)
+    except (subprocess.SubprocessError, OSError):
+        return True  # cannot tell now: keep waiting, and ask again at the next poll
     return out.stdout.strip() in ("PENDING", "REQUEUED", "CONFIGURING", "RUNNING")
 
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from labrun.errors import LabrunError
+from labrun.tracking import write_json_atomic
 
 MANIFEST = "jobs.json"
 
@@ -130,7 +131,8 @@ def write_manifest(sweep_dir: Path, backend: str, jobs: list[Job], **extra: Any)
     rows.update({job.num: {k: v for k, v in asdict(job).items() if k != "config"}
                  for job in jobs})
     data = {"backend": backend, "jobs": [rows[num] for num in sorted(rows)], **extra}
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    # Atomic: the local launcher rewrites it as each job ends, while `labrun status` may read.
+    write_json_atomic(path, data)
 
 
 def read_manifest(sweep_dir: Path) -> dict[str, Any]:
