@@ -23,7 +23,11 @@ FAST = ["logger=csv", "trainer.progress=log", "dataset.num_workers=0"]
 def run_train(*overrides: str, run_dir: Path | None = None, check: bool = True,
               env: dict[str, str] | None = None, timeout: int = 300
               ) -> subprocess.CompletedProcess:
-    """Run the real `python train.py` with `overrides` (plus FAST, which overrides may change)."""
+    """Run the real `python train.py` with `overrides` (plus FAST, which overrides may change).
+
+    timeout: the longest run a test starts (DETERMINISTIC: three epochs, two workers) took
+    about 140 s on a loaded 2-core machine; 300 s leaves room for more load, and a hung run
+    fails instead of blocking the suite."""
     args = [PYTHON, str(PROJECT / "train.py"), *FAST, *overrides]
     if run_dir is not None:
         args.append(f"hydra.run.dir={run_dir}")
@@ -43,19 +47,25 @@ def start_train(*overrides: str, run_dir: Path, env: dict[str, str] | None = Non
                             env={**os.environ, **(env or {})})
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Until `path` exists; fails if the process ends first or time runs out."""
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until `path` exists; fails if the process ends first or time runs out.
+
+    timeout: what a test waits for is written by a run before it ends, so the time run_train
+    allows a whole run (300 s) is enough; 120 s was not far above the ~85 s a DETERMINISTIC run
+    took to reach its step-35 checkpoint on a loaded 2-core machine."""
     deadline = time.time() + timeout
     while not path.exists():
         if proc.poll() is not None:
             detail = proc.stderr.read() if proc.stderr else ""
             raise AssertionError(f"run ended before {path.name}: {detail}")
         assert time.time() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
+        time.sleep(0.02)  # a stat costs microseconds: react to the file (a kill) promptly
 
 
 def run_labrun(*args: str, check: bool = True, timeout: int = 300, cwd: Path = PROJECT
                ) -> subprocess.CompletedProcess:
+    # timeout: the slowest command a test runs (`labrun resume` of a DETERMINISTIC run) is a
+    # run's remainder at most: the same 300 s as run_train.
     result = subprocess.run([LABRUN, *args], cwd=cwd, capture_output=True, text=True,
                             timeout=timeout)
     if check and result.returncode != 0:
@@ -68,8 +78,38 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def manifest(sweep_dir: Path) -> dict:
+    """A sweep's jobs.json: the launcher's own record of each job."""
+    return json.loads((sweep_dir / "jobs.json").read_text())
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------
+# SLURM tests never skip silently: without a cluster they fail, unless LABRUN_NO_SLURM=1 says
+# they are not to run, and then the summary says so in one line.
+
+NO_SLURM = os.environ.get("LABRUN_NO_SLURM") == "1"
+_slurm_not_run: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: count only what would run
+def pytest_collection_modifyitems(config, items):
+    if not NO_SLURM:
+        return
+    skip = pytest.mark.skip(reason="LABRUN_NO_SLURM=1: the SLURM tests were asked not to run")
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(skip)
+            _slurm_not_run.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _slurm_not_run:
+        terminalreporter.write_line(f"SLURM: {len(_slurm_not_run)} SLURM tests did not run "
+                                    f"(LABRUN_NO_SLURM=1)", yellow=True, bold=True)
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +133,13 @@ def final_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
+def same_weights(a: dict, b: dict) -> bool:
+    """True when two state dicts hold the same tensors, bit for bit."""
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def assert_identical(a: dict, b: dict) -> None:
     import torch
 
@@ -102,8 +149,49 @@ def assert_identical(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="session")
-def reference_weights(tmp_path_factory) -> dict:
-    """Final weights of an uninterrupted DETERMINISTIC run."""
+def reference_run(tmp_path_factory) -> Path:
+    """The folder of an uninterrupted DETERMINISTIC run: what every resumed run must match
+    (final weights, metrics.jsonl lines, kept checkpoints). Read it, never write to it."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     run_train(*DETERMINISTIC, run_dir=run_dir)
-    return final_weights(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def reference_weights(reference_run) -> dict:
+    """Final weights of an uninterrupted DETERMINISTIC run."""
+    return final_weights(reference_run)
+
+
+def rank_records(run_dir: Path) -> list[dict]:
+    """ranks/rank-N.json of every rank, in rank order: what each process of a run did."""
+    paths = sorted((run_dir / "ranks").glob("rank-*.json"))
+    return sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["rank"])
+
+
+def max_difference(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts' tensors."""
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+# A short run on the digits data for comparing N processes with one (test_distributed.py,
+# test_cluster_lab.py). Only a short run compares tightly: with AdamW, rounding differences grow
+# with every step (measured: train/loss differs by 3e-5 after 20 steps, 2e-3 after 44).
+# model.dropout=0: dropout draws its masks from each process's own RNG (seeded alike on every
+# rank), so with dropout two ranks of 32 samples do not draw the masks one process draws for
+# 64, and the comparison with one process would measure that, not the distributed training.
+DDP_SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=8",
+             "trainer.limit_val_batches=2", "model.dropout=0"]
+
+# Two processes and one process differ only in the order floats are added: DDP averages the two
+# ranks' gradients of 32 samples each (an all-reduce), one process averages 64 samples' at once.
+# Measured here after these 8 AdamW steps: weights differ by at most 2.7e-6 (|weights| up to
+# 0.2), val/loss by 1.2e-7. A real difference in what is computed is over a thousand times
+# larger, measured on the same 8 steps: one process with batch_size=128 (what a per-device
+# batch_size would mean) moves the weights by 1.8e-2 and val/loss by 9e-3; with half the batch
+# (32), by 1.6e-2 and 1.9e-3; the dropout masks alone (model.dropout=0.1) by 1.6e-2 and 1.6e-4.
+# The tolerances sit between: ~40x above the rounding for the weights, ~80x for val/loss, and
+# at least ~16x below any of those differences.
+DDP_WEIGHT_TOLERANCE = 1e-4
+DDP_LOSS_TOLERANCE = 1e-5

@@ -44,6 +44,9 @@ def test_doctor_json_has_every_check_and_never_prints_the_key():
     if not torch.cuda.is_available():  # this CPU machine: warnings, never failures
         for name in ("cuda", "gpu", "bf16", "nccl"):
             assert by_name[name]["status"] == "warning" and "no GPU" in by_name[name]["detail"]
+    else:  # a GPU machine (benchmarks/gpu_check.sh): the GPU checks pass
+        for name in ("cuda", "gpu", "bf16"):
+            assert by_name[name]["status"] == "ok", by_name[name]
 
 
 def test_table_lists_checks_with_their_fixes(capsys):

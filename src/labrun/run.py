@@ -98,8 +98,10 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
                                     cfg.checkpoint.mode, cfg.checkpoint.keep_last)
     resume = find_resume_state(cfg, checkpoints)
     folder = tracking.RunFolder(run_dir, enabled=dist.is_main)
-    if resume is not None:
-        folder.truncate_after(resume["step"])
+    # metrics.jsonl keeps what happened up to the step this run starts from: a resumed run logs
+    # the later steps again, and a run from scratch (checkpoint.resume=never, or an earlier
+    # attempt that ended before its first checkpoint) logs every step again.
+    folder.truncate_after(resume["step"] if resume is not None else 0)
     recorded = {}
     if dist.is_main:
         recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR)

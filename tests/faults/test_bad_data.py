@@ -1,5 +1,6 @@
 """Bad data through the real `python train.py`: each ends in one line naming the file or the
-sample and the fix, exit code 2, nothing trained on garbage."""
+sample and the fix, exit code 2, nothing trained on garbage (no checkpoint written). Data lost:
+whether the run changed any of its input files (hashed before and after)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from test_data_convert import write_image_folder
 
 from conftest import run_labrun, run_train
+from faults.conftest import hash_inputs, inputs_changed
 
 COMMON = ["trainer.max_epochs=1", "dataset.image_size=32", "trainer.batch_size=8",
           "dataset.num_workers=2"]
@@ -22,12 +24,21 @@ def folder(tmp_path_factory):
                               extras=False)
 
 
-def one_line_error(*overrides: str, run_dir) -> str:
+def one_line_error(*overrides: str, run_dir, inputs: list) -> tuple[str, list[str], list[str]]:
+    """Run on bad data; returns the error line, the input files the run changed and the
+    checkpoints it wrote (both must stay empty)."""
+    hashes = hash_inputs(inputs)
     result = run_train(*COMMON, *overrides, run_dir=run_dir, check=False)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]
     assert lines and lines[-1].startswith("error: ") and "Traceback" not in result.stderr
-    return lines[-1]
+    trained = sorted(p.name for p in run_dir.glob("checkpoints/*.pt"))
+    return lines[-1], inputs_changed(hashes, inputs), trained
+
+
+def outcome(line: str, changed: list[str], trained: list[str]) -> str:
+    return (f"{line} | checkpoints written: {trained or 'none'}; input files changed: "
+            f"{changed or 'none'}")
 
 
 def test_corrupt_jpeg_in_a_folder_names_the_file(folder, tmp_path, fault):
@@ -36,10 +47,11 @@ def test_corrupt_jpeg_in_a_folder_names_the_file(folder, tmp_path, fault):
     shutil.copytree(folder, root)
     victim = root / "train" / "cat" / "03.jpg"
     victim.write_bytes(victim.read_bytes()[:200])  # cut short
-    line = one_line_error("dataset=imagefolder", f"dataset.root={root}", run_dir=tmp_path / "r")
+    line, changed, trained = one_line_error("dataset=imagefolder", f"dataset.root={root}",
+                                            run_dir=tmp_path / "r", inputs=[root])
     named = str(victim) in line and "train" in line
-    record.trial(named, note=line)
-    assert named
+    record.trial(named and not trained, lost=bool(changed), note=outcome(line, changed, trained))
+    assert named and not trained and not changed
 
 
 def test_truncated_and_foreign_hdf5_files(folder, tmp_path, fault):
@@ -52,9 +64,12 @@ def test_truncated_and_foreign_hdf5_files(folder, tmp_path, fault):
     with h5py.File(foreign, "w") as f:
         f["images"] = np.zeros((4, 8, 8), dtype=np.uint8)
     for path in (truncated, foreign):
-        line = one_line_error("dataset=hdf5", f"dataset.path={path}", run_dir=tmp_path / path.stem)
-        record.trial(str(path) in line, note=line)
-        assert str(path) in line
+        line, changed, trained = one_line_error("dataset=hdf5", f"dataset.path={path}",
+                                                run_dir=tmp_path / path.stem, inputs=[path])
+        named = str(path) in line
+        record.trial(named and not trained, lost=bool(changed),
+                     note=outcome(line, changed, trained))
+        assert named and not trained and not changed
 
 
 def test_empty_class_folder_is_named(folder, tmp_path, fault):
@@ -63,15 +78,18 @@ def test_empty_class_folder_is_named(folder, tmp_path, fault):
     shutil.copytree(folder, root)
     for image in (root / "train" / "dog").iterdir():
         image.unlink()
-    line = one_line_error("dataset=imagefolder", f"dataset.root={root}", run_dir=tmp_path / "r")
-    record.trial("dog" in line, note=line)
-    assert "dog" in line
+    line, changed, trained = one_line_error("dataset=imagefolder", f"dataset.root={root}",
+                                            run_dir=tmp_path / "r", inputs=[root])
+    record.trial("dog" in line and not trained, lost=bool(changed),
+                 note=outcome(line, changed, trained))
+    assert "dog" in line and not trained and not changed
 
 
 def test_dataset_smaller_than_one_batch(folder, tmp_path, fault):
     record = fault("data: fewer samples than one batch")
-    line = one_line_error("dataset=imagefolder", f"dataset.root={folder}",
-                          "trainer.batch_size=64", run_dir=tmp_path / "r")
+    line, changed, trained = one_line_error("dataset=imagefolder", f"dataset.root={folder}",
+                                            "trainer.batch_size=64", run_dir=tmp_path / "r",
+                                            inputs=[folder])
     clear = "fewer than one optimizer step" in line and "trainer.batch_size" in line
-    record.trial(clear, note=line)
-    assert clear
+    record.trial(clear and not trained, lost=bool(changed), note=outcome(line, changed, trained))
+    assert clear and not trained and not changed
