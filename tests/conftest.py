@@ -87,6 +87,28 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture
+def composed(tmp_path):
+    """compose(*overrides) -> the train config, composed in this process from conf/."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from labrun import config
+
+    config.register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        yield lambda *o: compose("train", overrides=[f"paths.run_dir={tmp_path}/run", *o])
+
+
+@pytest.fixture(autouse=True)
+def fresh_run_token(monkeypatch):
+    """Composing a config in this process sets LABRUN_RUN_TOKEN (config.run_token), which the
+    processes it starts inherit, so that the ranks of one run share its folder: no test may
+    hand its token on to the runs of the next (they would all train into one folder)."""
+    monkeypatch.delenv("LABRUN_RUN_TOKEN", raising=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # SLURM tests never skip silently: without a cluster they fail, unless LABRUN_NO_SLURM=1 says
 # they are not to run, and then the summary says so in one line.
@@ -104,6 +126,12 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slurm"):
             item.add_marker(skip)
             _slurm_not_run.append(item.nodeid)
+
+
+def slurm_configured() -> bool:
+    """A slurm.conf the SLURM commands would read. Without one they look the controller up in
+    DNS (configless mode), which the tests must not do here."""
+    return Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")).is_file()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -176,22 +204,22 @@ def max_difference(a: dict, b: dict) -> float:
 
 
 # A short run on the digits data for comparing N processes with one (test_distributed.py,
-# test_cluster_lab.py). Only a short run compares tightly: with AdamW, rounding differences grow
-# with every step (measured: train/loss differs by 3e-5 after 20 steps, 2e-3 after 44).
-# model.dropout=0: dropout draws its masks from each process's own RNG (seeded alike on every
-# rank), so with dropout two ranks of 32 samples do not draw the masks one process draws for
-# 64, and the comparison with one process would measure that, not the distributed training.
+# test_cluster_lab.py). SGD, not the default AdamW: Adam divides each gradient by its own running
+# size, so a parameter whose gradient is near zero moves by up to the learning rate whichever
+# sign rounding gives it; two processes against one then differed by 2.7e-6 in one run and
+# 1.6e-4 in another. SGD passes rounding differences on linearly. model.dropout=0: each rank
+# draws its own dropout masks (seeded alike), which one process drawing for 64 samples would not.
 DDP_SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=8",
-             "trainer.limit_val_batches=2", "model.dropout=0"]
+             "trainer.limit_val_batches=2", "model.dropout=0", "optimizer=sgd"]
 
 # Two processes and one process differ only in the order floats are added: DDP averages the two
-# ranks' gradients of 32 samples each (an all-reduce), one process averages 64 samples' at once.
-# Measured here after these 8 AdamW steps: weights differ by at most 2.7e-6 (|weights| up to
-# 0.2), val/loss by 1.2e-7. A real difference in what is computed is over a thousand times
-# larger, measured on the same 8 steps: one process with batch_size=128 (what a per-device
-# batch_size would mean) moves the weights by 1.8e-2 and val/loss by 9e-3; with half the batch
-# (32), by 1.6e-2 and 1.9e-3; the dropout masks alone (model.dropout=0.1) by 1.6e-2 and 1.6e-4.
-# The tolerances sit between: ~40x above the rounding for the weights, ~80x for val/loss, and
-# at least ~16x below any of those differences.
+# ranks' gradients of 32 samples each (an all-reduce), one process averages 64 samples' at once,
+# with another number of threads per matrix product. Measured here after these 8 SGD steps
+# (|weights| up to 0.19): weights differ by 2.1e-8 to 6.4e-6 and val/loss by 6e-8 to 4.2e-7
+# (the larger figures when the one process uses two threads and each rank one). A real difference
+# in what is computed, on the same 8 steps against one process: batch_size=128 (what a per-device
+# batch_size would mean) moves the weights by 1.3e-2 and val/loss by 2.1e-3; batch_size=32 by
+# 1.6e-2 and 6.5e-4; dropout 0.1 by 1.9e-3 and 5.0e-5. The tolerances sit between: 15x and 24x
+# above the largest rounding seen, 19x and 5x below the smallest real difference.
 DDP_WEIGHT_TOLERANCE = 1e-4
 DDP_LOSS_TOLERANCE = 1e-5

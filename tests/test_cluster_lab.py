@@ -39,6 +39,7 @@ from conftest import (
     read_summary,
     run_labrun,
     run_train,
+    slurm_configured,
     wait_for,
 )
 from labrun.launch import SLURM_COMMENT_PREFIX
@@ -55,6 +56,8 @@ GRACE_S = 15
 @pytest.fixture(autouse=True, scope="module")
 def lab_cluster():
     # Never a skip (see conftest.py): the lab-shaped cluster must be up.
+    if not slurm_configured():
+        pytest.fail("no SLURM cluster: `make test` as root starts one (scripts/slurm_up.sh)")
     out = subprocess.run(["sinfo", "-h", "-p", "gpu", "-N", "-o", "%N %G %T"],
                          capture_output=True, text=True, timeout=30)
     nodes = {line.split()[0] for line in out.stdout.splitlines() if "gpu:4" in line}
@@ -169,7 +172,6 @@ class Preemption(Trigger):
     proc: subprocess.Popen
     placeholder: str
     urgent: str | None = None
-    urgent_submitted: float = 0.0
 
     @classmethod
     def start(cls, sweep_dir: Path) -> Preemption:
@@ -184,7 +186,6 @@ class Preemption(Trigger):
     def trigger(self) -> None:
         # Mid-training: the scavenger job has checkpointed at step 10 (of 66).
         wait_for(self.sweep_dir / "1" / "checkpoints" / "step-00000010.pt", self.proc)
-        self.urgent_submitted = time.time()
         self.urgent = sbatch("-p", "gpu", "-q", "urgent", "-w", "node3", "--gres=gpu:3",
                              "-J", "urgent", "--wrap", "echo $SLURM_JOB_GPUS")
 

@@ -23,6 +23,7 @@ from conftest import (
     manifest,
     read_metrics,
     read_summary,
+    slurm_configured,
     wait_for,
 )
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.slurm
 
 
 def cluster_is_up() -> bool:
-    if shutil.which("sinfo") is None:
+    if shutil.which("sinfo") is None or not slurm_configured():
         return False
     # sinfo answers in milliseconds; 30 s: a controller that does not answer is not up.
     out = subprocess.run(["sinfo", "-h", "-p", "dev", "-o", "%T"], capture_output=True,

@@ -9,11 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-from conftest import PROJECT, read_summary, run_train
-from labrun import config
+from conftest import read_summary, run_train
 
 # Plain SGD (no momentum, no weight decay, constant rate): a step moves the weights by exactly
 # lr x the (clipped) gradient. A clip far below a fresh CNN's gradient norm always engages.
@@ -74,14 +71,6 @@ def test_init_from_loads_the_body_and_leaves_a_new_head_initialised(clipped_run,
     for key in head:
         assert torch.equal(tuned[key], fresh[key]), f"{key} is not a fresh head"
     assert "left as initialised (head.1.bias, head.1.weight)" in result.stdout
-
-
-@pytest.fixture
-def composed(tmp_path):
-    config.register()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
-        yield lambda *o: compose("train", overrides=[f"paths.run_dir={tmp_path}/run", *o])
 
 
 def is_channels_last(tensor: torch.Tensor) -> bool:

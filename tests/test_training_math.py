@@ -6,11 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-from conftest import PROJECT, read_summary, run_train
-from labrun import config, schedules
+from conftest import read_summary, run_train
+from labrun import schedules
 from labrun.data import EpochSampler
 from labrun.data.transforms import (
     BatchNormalizer,
@@ -91,14 +89,6 @@ def test_transforms_stay_uint8_and_are_seeded():
     assert torch.equal(a, b) and not torch.equal(a, c)
     val = ValTransform(224)(image)
     assert val.dtype == torch.uint8 and val.shape == (3, 224, 224)
-
-
-@pytest.fixture
-def composed(tmp_path):
-    config.register()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
-        yield lambda *o: compose("train", overrides=[f"paths.run_dir={tmp_path}/run", *o])
 
 
 def test_batch_normalizer_reuses_one_cpu_buffer_and_normalizes_exactly():
