@@ -1,4 +1,4 @@
-"""`python train.py` end to end: the run-folder contract of ARCHITECTURE.md."""
+"""`python train.py` end to end: the run-folder contract of docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

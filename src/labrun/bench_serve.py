@@ -31,7 +31,8 @@ import torch
 
 import labrun
 from labrun import export, inference
-from labrun.bench import Target, Verdict, judge, report, write_json
+from labrun.bench import write_json
+from labrun.bench_targets import Target, Verdict, judge, report
 from labrun.errors import LabrunError
 
 NUM_IMAGES = 16

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torchvision
 
-from labrun.bench import Target, Verdict, judge, write_json
+from labrun.bench import write_json
+from labrun.bench_targets import Target, Verdict, judge
 
 PROJECT = Path(__file__).resolve().parents[2]
 

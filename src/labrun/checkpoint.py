@@ -16,11 +16,13 @@ from __future__ import annotations
 import errno
 import math
 import os
+import random
 import re
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from labrun.errors import LabrunError
@@ -140,3 +142,30 @@ class CheckpointManager:
                 warnings.warn(f"skipping unreadable checkpoint: {error}", stacklevel=2)
         raise CheckpointError(f"no checkpoint in {self.folder} can be read; start over with "
                               f"checkpoint.resume=never (in a new folder)")
+
+
+# The "rng" entry of a checkpoint.
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG's state as tensors and plain lists (loadable with weights_only=True)."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": [version, list(mt), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        # Only the GPUs visible now (a run may resume with fewer than it started with).
+        for index, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))

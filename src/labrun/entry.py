@@ -18,7 +18,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from labrun.config import new_key_problem
+from labrun.config_keys import new_key_problem
 from labrun.errors import LabrunError, one_line
 
 EXIT_USER_ERROR = 2

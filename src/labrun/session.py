@@ -8,21 +8,23 @@
 A step counts optimizer steps. Batches arrive as uint8 and are turned into normalised floats
 on the device. Everything needed to continue exactly (weights, optimizer, schedule, scaler,
 RNG states, position in the epoch's sample order) is in the checkpoint.
+
+One concern, the loop, in one file of about 460 lines: its parts (AMP, accumulation, DDP, stop
+signals, the log window) share the session's state step by step, and split apart they would be
+read side by side anyway. The checkpoint format (checkpoint.py) and the run folder's files
+(tracking.py) live with their owners.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import threading
 import time
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -39,7 +41,7 @@ from labrun.distributed import Distributed, all_reduce_sum
 from labrun.errors import LabrunError, one_line
 from labrun.models import unwrap
 from labrun.progress import ProgressReporter
-from labrun.tracking import NoTracker, RunFolder, Tracker, write_json_atomic
+from labrun.tracking import NoTracker, RunFolder, Tracker, write_rank_record
 
 
 class RunInterrupted(LabrunError):
@@ -290,16 +292,10 @@ class TrainingSession:
             f"{k} {v:.4f}" for k, v in test.items()))
 
     def write_rank_record(self, status: str, resumed_from: int) -> None:
-        """ranks/rank-N.json: which process this rank was and how many optimizer steps it
-        took itself, from `resumed_from` to `step`. Every rank writes its own, so a run shows
-        that all its processes trained; a resumed run replaces it with the new segment's."""
-        folder = self.folder.path / "ranks"
-        folder.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(folder / f"rank-{self.dist.rank}.json", {
-            "host": socket.gethostname(), "pid": os.getpid(), "rank": self.dist.rank,
-            "local_rank": self.dist.local_rank, "world_size": self.dist.world_size,
-            "status": status, "resumed_from_step": resumed_from, "step": self.step,
-            "optimizer_steps": self.steps_taken, "ended_at": time.time()})
+        write_rank_record(
+            self.folder.path, rank=self.dist.rank, local_rank=self.dist.local_rank,
+            world_size=self.dist.world_size, status=status, resumed_from_step=resumed_from,
+            step=self.step, optimizer_steps=self.steps_taken)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -426,7 +422,7 @@ class TrainingSession:
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
             "step": self.step,
-            "rng": rng_state(),
+            "rng": ckpt.rng_state(),
             "data": {"epoch": self.epoch, "position": self.position,
                      "micro_batch_size": self.micro},
             "best": self.best,
@@ -452,32 +448,8 @@ class TrainingSession:
             self._resumed_window = _Window(self.device)
             self._resumed_window.loss += state["log_window"]["loss"].to(self.device)
             self._resumed_window.steps = state["log_window"]["steps"]
-        set_rng_state(state["rng"])  # run.py has cut metrics.jsonl back to this step already
+        ckpt.set_rng_state(state["rng"])  # run.py has cut metrics.jsonl back to this step already
         self.folder.summary.update({f"best/{self.cfg.checkpoint.monitor}": self.best})
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG's state as tensors and plain lists (loadable with weights_only=True)."""
-    version, mt, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": [version, list(mt), gauss],
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        # Only the GPUs visible now (a run may resume with fewer than it started with).
-        for index, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, index)
-    version, mt, gauss = state["python"]
-    random.setstate((version, tuple(mt), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def _cpu_autocast_supports(dtype: torch.dtype) -> bool:

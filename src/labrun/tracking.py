@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +25,17 @@ def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def write_rank_record(run_dir: Path, *, rank: int, **facts: Any) -> None:
+    """ranks/rank-N.json: which process rank N was (host, PID) and how many optimizer steps it
+    took itself in this segment. Every rank writes its own, so a run shows that all its
+    processes trained; a resumed run replaces it with the new segment's."""
+    folder = Path(run_dir) / "ranks"
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / f"rank-{rank}.json", {
+        "host": socket.gethostname(), "pid": os.getpid(), "rank": rank, **facts,
+        "ended_at": time.time()})
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""HDF5 datasets written by `labrun convert` (layout in ARCHITECTURE.md).
+"""HDF5 datasets written by `labrun convert` (layout in docs/ARCHITECTURE.md).
 
     /{split}/data     uint8, flat: every sample's bytes end to end
     /{split}/offsets  int64, n + 1: sample i is data[offsets[i]:offsets[i + 1]]
