@@ -9,15 +9,15 @@
 import hydra
 from omegaconf import DictConfig
 
-from labrun import config
-from labrun.entry import exit_on_user_error, run_hydra_app
+from labrun.cli.hydra_app import exit_on_user_error, run_hydra_app
+from labrun.config import schema as config
 
 config.register()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from labrun.run import train  # imported here so `--help` and `--cfg` stay fast
+    from labrun.train.job import train  # imported here so `--help` and `--cfg` stay fast
 
     with exit_on_user_error():
         return train(cfg)

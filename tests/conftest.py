@@ -93,7 +93,7 @@ def composed(tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from labrun import config
+    from labrun.config import schema as config
 
     config.register()
     GlobalHydra.instance().clear()

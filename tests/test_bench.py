@@ -10,10 +10,12 @@ import math
 
 import pytest
 
-from labrun import bench, bench_serve, bench_trainer, cli
+from labrun import bench, cli
 from labrun.bench import DATA_TARGETS, Target, judge, report
-from labrun.bench_serve import SERVE_TARGETS
-from labrun.bench_trainer import STARTUP_TARGETS, TRAINER_TARGETS
+from labrun.bench import serve as bench_serve
+from labrun.bench import trainer as bench_trainer
+from labrun.bench.serve import SERVE_TARGETS
+from labrun.bench.trainer import STARTUP_TARGETS, TRAINER_TARGETS
 
 REQUIRED_SPEEDUP = next(t for t in DATA_TARGETS if t.figure == "speedup").bound
 

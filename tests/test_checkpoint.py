@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from labrun.checkpoint import CheckpointError, CheckpointManager, load
+from labrun.train.checkpoint import CheckpointError, CheckpointManager, load
 
 
 def state(step: int) -> dict:

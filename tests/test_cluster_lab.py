@@ -325,7 +325,7 @@ def test_two_2_gpu_jobs_share_a_node_with_disjoint_gpus_from_slurm(tmp_path, sce
 INJECT_RANK_1_FAILURE = """
 import os
 if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("SLURM_ARRAY_TASK_ID") == "2":
-    from labrun.session import TrainingSession
+    from labrun.train.trainer import TrainingSession
     fit = TrainingSession.fit
     def fit_then_fail(self, *args, **kwargs):
         fit(self, *args, **kwargs)

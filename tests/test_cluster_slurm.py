@@ -117,7 +117,7 @@ def test_two_task_ddp_job_trains_and_only_rank_0_writes(tmp_path):
 INJECT_RANK_1_FAILURE = """
 import os
 if os.environ.get("SLURM_PROCID") == "1":
-    from labrun.session import TrainingSession
+    from labrun.train.trainer import TrainingSession
     fit = TrainingSession.fit
     def fit_then_fail(self, *args, **kwargs):
         fit(self, *args, **kwargs)

@@ -14,8 +14,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import PROJECT, run_train
-from labrun import config
-from labrun.entry import user_error_message
+from labrun.cli.hydra_app import user_error_message
+from labrun.config import schema as config
 
 CONF = PROJECT / "conf"
 GROUPS = ["dataset", "model", "optimizer", "schedule", "precision", "cluster", "logger",
@@ -120,7 +120,7 @@ def test_hydra_full_error_shows_the_traceback(tmp_path):
 
 
 # Keys added with `+`: Hydra adds them even to a typed section, where nothing would read them.
-# Each section's schema says which new keys it takes (labrun.config.NewKeys).
+# Each section's schema says which new keys it takes (labrun.config.schema.NewKeys).
 NEW_KEY_MISTAKES = {
     "typo in trainer": (["+trainer.max_epoch=3"], "trainer.max_epoch: no such key in trainer",
                         "did you mean trainer.max_epochs?"),
@@ -136,7 +136,7 @@ NEW_KEY_MISTAKES = {
     "model argument": (["+model.widht=64"], "labrun.models.SimpleCNN takes no argument widht",
                        "did you mean model.width?"),
     "schedule argument": (["schedule=step", "+schedule.gama=0.5"],
-                          "labrun.schedules.step takes no argument gama",
+                          "labrun.train.schedules.step takes no argument gama",
                           "did you mean schedule.gamma?"),
     "argument of another model": (["model=resnet18", "+model.width=64"],
                                   "labrun.models.torchvision_model takes no argument width",

@@ -21,8 +21,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from conftest import LABRUN, PROJECT, PYTHON, read_summary, run_labrun, run_train
-from labrun import config
-from labrun.entry import user_error_message
+from labrun.cli.hydra_app import user_error_message
+from labrun.config import schema as config
 
 CONF = PROJECT / "conf"
 ENV_KEYS = ("LABRUN_DATA_DIR", "LABRUN_OUTPUT_ROOT")
@@ -77,7 +77,7 @@ def test_output_root_variable_moves_the_run_folder(monkeypatch, tmp_path):
 def test_a_run_lands_under_output_root_then_resumes_and_reruns_with_its_tag(tmp_path):
     """One real run with LABRUN_OUTPUT_ROOT and no hydra.run.dir, tagged with a new top-level
     key; `labrun resume` continues it and `labrun rerun --exec` repeats it, both keeping the tag
-    (the root takes new keys, sections do not: labrun.config.NewKeys)."""
+    (the root takes new keys, sections do not: labrun.config.schema.NewKeys)."""
     first_root, rerun_root = tmp_path / "results", tmp_path / "rerun-results"
     run_train(*SHORT, "+tag=smoke", env={"LABRUN_OUTPUT_ROOT": str(first_root)})
     runs = list(first_root.glob("*/*"))  # DATE/TIME-TOKEN

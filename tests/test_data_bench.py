@@ -20,7 +20,7 @@ from labrun.bench import (
     labrun_loader,
     seconds_per_sample,
 )
-from labrun.bench_trainer import TRAINER_TARGETS
+from labrun.bench.trainer import TRAINER_TARGETS
 from labrun.data.transforms import TrainTransform
 
 SMALL = argparse.Namespace(size=64, workers=2, passes=2, batch_size=8)  # labrun_data's args

@@ -218,7 +218,7 @@ def test_bad_folders_end_in_one_line(tmp_path, case):
         assert result.returncode == 2 and result.stdout == ""
         assert result.stderr.startswith(f"error: {expected}") and result.stderr.count("\n") == 1
         assert not (tmp_path / "x.h5").exists()
-    from labrun.errors import DataError
+    from labrun.core.errors import DataError
 
     with pytest.raises(DataError) as error:
         imagefolder.load(str(root), "turbojpeg")

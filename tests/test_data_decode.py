@@ -152,7 +152,7 @@ def test_damaged_and_non_image_bytes_raise():
 
 
 def test_unknown_decoder_is_a_config_error():
-    from labrun.errors import ConfigError
+    from labrun.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="dataset.decoder=opencv is not one of"):
         dec.resolve("opencv")

@@ -18,9 +18,9 @@ from test_data_convert import write_image_folder
 
 from conftest import read_summary, run_train
 from labrun import data
-from labrun.config import HDF5Config, ImageFolderConfig
+from labrun.config.schema import HDF5Config, ImageFolderConfig
+from labrun.core.errors import DataError
 from labrun.data import convert, hdf5
-from labrun.errors import DataError
 
 
 @pytest.fixture(scope="module")

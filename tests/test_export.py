@@ -16,9 +16,10 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import run_labrun
-from labrun import export, models
+from labrun import models
+from labrun.core.errors import LabrunError
 from labrun.data import digits
-from labrun.errors import LabrunError
+from labrun.deploy import export
 
 
 @pytest.fixture(scope="module")

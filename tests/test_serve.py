@@ -30,10 +30,11 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import LABRUN, PROJECT, run_labrun
-from labrun import inference, models
+from labrun import models
 from labrun.data import digits
 from labrun.data.transforms import ValTransform, normalize_on_device
-from labrun.serve import MAX_CONCURRENCY, serving
+from labrun.deploy import runtime as inference
+from labrun.deploy.serve import MAX_CONCURRENCY, serving
 
 
 @pytest.fixture(scope="module")

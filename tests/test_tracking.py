@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, read_metrics, read_summary, run_train, start_train, wait_for
-from labrun import provenance
+from labrun.runs import provenance
 
 WANDB = str(Path(PYTHON).with_name("wandb"))
 OFFLINE = {"WANDB_MODE": "offline", "WANDB_API_KEY": "", "NETRC": "/nonexistent"}

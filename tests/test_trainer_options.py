@@ -82,7 +82,8 @@ def is_channels_last(tensor: torch.Tensor) -> bool:
 def test_channels_last_reaches_every_convolution_in_training(composed, tmp_path, monkeypatch):
     """In-process, because labrun records the memory format nowhere: hooks on the real model's
     convolutions look at the weights and inputs of the training steps."""
-    from labrun import models, run
+    from labrun import models
+    from labrun.train import job as run
 
     seen = []
     real_build = models.build

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import read_summary, run_train
-from labrun import schedules
 from labrun.data import EpochSampler
 from labrun.data.transforms import (
     BatchNormalizer,
@@ -16,6 +15,7 @@ from labrun.data.transforms import (
     ValTransform,
     normalize_on_device,
 )
+from labrun.train import schedules
 
 
 def test_accumulating_micro_batches_equals_one_big_batch(tmp_path):
@@ -111,7 +111,8 @@ def test_out_of_memory_halves_the_micro_batch(composed, tmp_path, monkeypatch, b
                                               expected):
     """A CUDA out-of-memory error is injected (no GPU here): batches above `limit` images fail.
     The micro-batch always divides the batch: 100 -> 50 -> 25 -> 10, not 12."""
-    from labrun import models, run
+    from labrun import models
+    from labrun.train import job as run
 
     real_build = models.build
 

@@ -26,7 +26,7 @@ from PIL import Image
 
 from conftest import run_labrun
 from labrun.data import digits
-from labrun.serve import MAX_CONCURRENCY, serving
+from labrun.deploy.serve import MAX_CONCURRENCY, serving
 
 pytestmark = pytest.mark.timeout(300)  # the first test may train the session's digits run
 

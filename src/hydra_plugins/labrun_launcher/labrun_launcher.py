@@ -1,7 +1,7 @@
 """Hydra finds launchers only inside the `hydra_plugins` package: these names make labrun's
 launchers (src/labrun/launch/) visible to it. `cluster=...` picks one; see conf/cluster/."""
 
-from labrun.launch import local, search, slurm
+from labrun.launch import local, optuna_sweeper, slurm
 
 
 class LabrunLocalLauncher(local.LocalLauncher):
@@ -12,5 +12,5 @@ class LabrunSlurmLauncher(slurm.SlurmLauncher):
     """cluster=lab / slurm_dev: a SLURM job array through submitit."""
 
 
-class LabrunOptunaSweeper(search.ResumableOptunaSweeper):
+class LabrunOptunaSweeper(optuna_sweeper.ResumableOptunaSweeper):
     """hparams_search=optuna: an Optuna study that a re-run continues."""

@@ -20,9 +20,9 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from labrun.core.errors import DataError
 from labrun.data.sources import ImageSource, hold_out
 from labrun.data.transforms import TrainTransform, ValTransform
-from labrun.errors import DataError
 
 
 def _load_sources(cfg: DictConfig) -> dict[str, ImageSource]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from labrun.core.errors import DataError
 from labrun.data.sources import ArraySource
-from labrun.errors import DataError
 
 
 def load(root: str, download: bool, val_fraction: float) -> dict[str, ArraySource]:

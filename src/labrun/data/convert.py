@@ -43,10 +43,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from labrun.core.errors import DataError, LabrunError, one_line
 from labrun.data import hdf5, imagefolder
 from labrun.data.decode import decode, encode_jpeg, is_jpeg, resolve
 from labrun.data.transforms import ValTransform
-from labrun.errors import DataError, LabrunError, one_line
 
 COPY_BLOCK = 64 << 20  # bytes per write when copying a spool into the HDF5 file
 MAX_LISTED = 20  # verify: failing samples listed before "and N more"

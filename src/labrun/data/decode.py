@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from labrun.errors import ConfigError
+from labrun.core.errors import ConfigError
 
 DECODERS = ("turbojpeg", "pil", "torchvision")
 FAST_SCALES = ((1, 8), (1, 4), (1, 2))  # smallest first

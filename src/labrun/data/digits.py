@@ -13,8 +13,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from labrun.core.errors import DataError
 from labrun.data.sources import ArraySource
-from labrun.errors import DataError
 
 CLASS_NAMES = [str(d) for d in range(10)]
 SPLIT_SEED = 0  # the val split is fixed: it does not change with the run's seed

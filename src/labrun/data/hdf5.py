@@ -24,8 +24,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from labrun.core.errors import DataError
 from labrun.data.decode import JpegImage, decode, open_image, resolve
-from labrun.errors import DataError
 
 FORMAT = 1
 STORAGES = ("jpeg", "raw")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from labrun.core.errors import DataError
 from labrun.data.decode import JpegImage, decode, open_image, resolve
-from labrun.errors import DataError
 
 SPLITS = ("train", "val", "test")
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp",

@@ -21,7 +21,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-from labrun.errors import ConfigError
+from labrun.core.errors import ConfigError
 from labrun.launch import sweep
 from labrun.launch.sweep import Job
 

@@ -32,7 +32,8 @@ from hydra.core.utils import JobReturn, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from labrun.errors import ConfigError, LabrunError
+from labrun.core.errors import ConfigError, LabrunError
+from labrun.core.project import PROJECT_DIR
 from labrun.launch import SLURM_COMMENT_PREFIX, sweep
 
 POLL_S = 2.0
@@ -237,7 +238,7 @@ class code_snapshot:  # noqa: N801 - used as a context manager, like submitit's 
         if self.folder is not None:
             from submitit.helpers import RsyncSnapshot
 
-            project = Path(__file__).resolve().parents[3]
+            project = PROJECT_DIR
             if not (project / ".git").exists() or shutil.which("rsync") is None:
                 raise LabrunError("cluster.snapshot=true needs a git checkout and rsync "
                                   "(apt-get install rsync); or set cluster.snapshot=false")

@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 from rich.table import Table
 
-from labrun.errors import LabrunError
-from labrun.tracking import write_json_atomic
+from labrun.core.errors import LabrunError
+from labrun.track.loggers import write_json_atomic
 
 MANIFEST = "jobs.json"
 

@@ -5,7 +5,7 @@
            TorchScript module), against eager PyTorch on real validation images
         -> MODEL and MODEL.json (classes, input size, mean/std, resize ratio, provenance)
 
-The exported model takes normalised float NCHW input, like the eager model; labrun.inference
+The exported model takes normalised float NCHW input, like the eager model; labrun.deploy.runtime
 does the preprocessing from the metadata, for `labrun serve` and `labrun predict`.
 
 ONNX: the dynamo exporter (torch.export) is tried first, as it is the one PyTorch maintains
@@ -30,12 +30,13 @@ import torch
 from omegaconf import OmegaConf
 
 import labrun
-from labrun import inference, models
-from labrun.checkpoint import load as load_checkpoint
-from labrun.config import DatasetConfig
+from labrun import models
+from labrun.config.schema import DatasetConfig
+from labrun.core.errors import LabrunError, one_line
 from labrun.data.transforms import ValTransform, normalize_on_device
-from labrun.errors import LabrunError, one_line
-from labrun.tracking import write_json_atomic
+from labrun.deploy import runtime as inference
+from labrun.track.loggers import write_json_atomic
+from labrun.train.checkpoint import load as load_checkpoint
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}
 DEFAULT_OPSET = 18  # the dynamo exporter's minimum; run by onnxruntime >= 1.14 and TensorRT 8.6+

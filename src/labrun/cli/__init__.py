@@ -11,20 +11,20 @@ import importlib
 import inspect
 import sys
 
-from labrun.errors import LabrunError
+from labrun.core.errors import LabrunError
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("labrun.data.convert", "convert an image folder to one HDF5 file"),
-    "resume": ("labrun.rerun", "resume an interrupted run in its own folder"),
-    "rerun": ("labrun.rerun", "reproduce a run from scratch in a new folder"),
-    "status": ("labrun.status", "show the state of a sweep's jobs"),
-    "queue": ("labrun.queue", "the SLURM cluster: GPUs in use, fair share, pending jobs"),
-    "compare": ("labrun.compare", "compare runs: table, csv, markdown, plot"),
-    "configs": ("labrun.configs", "check or diff configs for review"),
-    "export": ("labrun.export", "export a run's model to TorchScript or ONNX"),
-    "serve": ("labrun.serve", "serve an exported model over HTTP"),
-    "predict": ("labrun.predict", "predict images offline with an exported model"),
+    "resume": ("labrun.runs.rerun", "resume an interrupted run in its own folder"),
+    "rerun": ("labrun.runs.rerun", "reproduce a run from scratch in a new folder"),
+    "status": ("labrun.runs.status", "show the state of a sweep's jobs"),
+    "queue": ("labrun.launch.queue", "the SLURM cluster: GPUs in use, fair share, pending jobs"),
+    "compare": ("labrun.runs.compare", "compare runs: table, csv, markdown, plot"),
+    "configs": ("labrun.config.review", "check or diff configs for review"),
+    "export": ("labrun.deploy.export", "export a run's model to TorchScript or ONNX"),
+    "serve": ("labrun.deploy.serve", "serve an exported model over HTTP"),
+    "predict": ("labrun.deploy.predict", "predict images offline with an exported model"),
     "doctor": ("labrun.doctor", "check this machine's GPU/CUDA/NCCL/SLURM set-up"),
     "bench": ("labrun.bench", "run the benchmarks"),
 }
@@ -63,5 +63,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())

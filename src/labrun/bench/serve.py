@@ -30,10 +30,11 @@ import numpy as np
 import torch
 
 import labrun
-from labrun import export, inference
 from labrun.bench import write_json
-from labrun.bench_targets import Target, Verdict, judge, report
-from labrun.errors import LabrunError
+from labrun.bench.targets import Target, Verdict, judge, report
+from labrun.core.errors import LabrunError
+from labrun.deploy import export
+from labrun.deploy import runtime as inference
 
 NUM_IMAGES = 16
 # A served request that fails is a defect whatever the speed (the benchmark has always exited
@@ -54,7 +55,9 @@ def configure(parser) -> None:
 
 
 def run(args) -> list[Verdict]:
-    from labrun.serve import serving  # FastAPI: only for this benchmark, not for `labrun bench`
+    from labrun.deploy.serve import (
+        serving,  # FastAPI: only for this benchmark, not for `labrun bench`
+    )
 
     if args.requests < 1 or args.clients < 1 or args.rounds < 1:
         raise LabrunError("--requests, --clients and --rounds must be 1 or more")
@@ -112,7 +115,7 @@ def run(args) -> list[Verdict]:
 
 
 def export_resnet18(folder: Path, size: int) -> Path:
-    """An untrained resnet18 checkpoint in labrun's format, exported by labrun.export."""
+    """An untrained resnet18 checkpoint in labrun's format, exported by labrun.deploy.export."""
     class_names = [f"class_{i}" for i in range(1000)]
     model_cfg = {"_target_": "labrun.models.torchvision_model", "_partial_": True,
                  "name": "resnet18"}

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from labrun.core.errors import LabrunError, one_line
 from labrun.data import decode as data_decode
 from labrun.data.transforms import ValTransform, normalize_on_device
-from labrun.errors import LabrunError, one_line
 
 # An upload may be a small file that decodes into a huge image (a "decompression bomb");
 # 50 megapixels covers any camera photo and bounds the memory one request can take (150 MB).
@@ -243,7 +243,7 @@ def needs_export(model: Path) -> bool:
 
 def export_for_inference(model: Path, folder: Path) -> Path:
     """Export a run folder or checkpoint to ONNX in `folder` (checked on random input, fast)."""
-    from labrun import export
+    from labrun.deploy import export
 
     out = folder / "model.onnx"
     export.export(model, out=out, fmt="onnx", check_data="random")

@@ -6,7 +6,7 @@
     GET  /metadata            the metadata JSON written by `labrun export`
 
 MODEL is an exported .onnx or .pt file (with its metadata JSON), a run folder or a checkpoint
-(exported to ONNX in a temp folder first). Preprocessing is labrun.inference's, the same as
+(exported to ONNX in a temp folder first). Preprocessing is labrun.deploy.runtime's, the same as
 validation. A bad request (no file, not an image, truncated, too big, a path as filename) gets a
 4xx answer with {"error": "..."} and never takes the server down. Request bodies stop at
 --max-upload-mb, and a client that has not sent a whole request head within --header-timeout
@@ -35,8 +35,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from labrun import inference
-from labrun.errors import LabrunError
+from labrun.core.errors import LabrunError
+from labrun.deploy import runtime as inference
 
 MAX_BATCH_FILES = 64
 # Past this many open connections and tasks, uvicorn answers 503 instead of queueing more
@@ -48,7 +48,7 @@ MAX_CONCURRENCY = 128
 HEADER_TIMEOUT_S = 10.0
 # With --workers N, uvicorn's supervisor pings each worker and kills and restarts one that does
 # not answer within this many seconds (uvicorn's default: 5). A worker answers only once it is
-# running, and it starts by importing labrun.serve (torch, onnxruntime, FastAPI): 17 s measured
+# running, and it starts by importing labrun.deploy.serve (torch, onnxruntime, FastAPI): 17 s measured
 # on a loaded 2-core machine, where the 5 s default restarted every worker forever.
 WORKER_HEALTHCHECK_TIMEOUT_S = 60
 TopK = Annotated[int, Query(ge=1, le=1000, description="how many classes to return")]
@@ -95,7 +95,7 @@ def run(args) -> int:
               f"{meta['image_size']} px) on http://{args.host}:{args.port}  "
               f"POST /predict, POST /predict/batch, GET /health, GET /metadata", flush=True)
         os.environ[ENV_HEADER_TIMEOUT] = str(args.header_timeout)  # for every worker process
-        # The protocol by name: a worker process then imports labrun.serve when its server
+        # The protocol by name: a worker process then imports labrun.deploy.serve when its server
         # starts, after it began answering the supervisor's pings, not while it unpickles its
         # config (the class itself would be imported before the first answer).
         common = dict(host=args.host, port=args.port, log_level=args.log_level,
@@ -110,7 +110,7 @@ def run(args) -> int:
             del predictor
             if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters:
                 common["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_TIMEOUT_S
-            uvicorn.run("labrun.serve:app_from_env", factory=True, workers=args.workers,
+            uvicorn.run("labrun.deploy.serve:app_from_env", factory=True, workers=args.workers,
                         **common)
     finally:
         inference.remove_folder(tmp)

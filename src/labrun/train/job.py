@@ -18,13 +18,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from labrun import config, data, distributed, models, provenance, tracking
-from labrun.checkpoint import CheckpointManager
-from labrun.checkpoint import load as load_checkpoint
-from labrun.errors import ConfigError, LabrunError, one_line
-from labrun.session import RunInterrupted, TrainingSession
-
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+from labrun import data, models
+from labrun.config import schema as config
+from labrun.core.errors import ConfigError, LabrunError, one_line
+from labrun.core.project import PROJECT_DIR
+from labrun.runs import provenance
+from labrun.track import loggers as tracking
+from labrun.train import distributed
+from labrun.train.checkpoint import CheckpointManager
+from labrun.train.checkpoint import load as load_checkpoint
+from labrun.train.trainer import RunInterrupted, TrainingSession
 
 # Keys that may differ between a run and its resumption without changing the result.
 RESUME_SAFE_KEYS = ("trainer.max_epochs", "trainer.progress", "trainer.log_every_n_steps",

@@ -2,7 +2,7 @@
 
 check: composes the primary config with its defaults, then every option of every config group
        (experiment presets included) on top of the defaults, as `python train.py group=option`
-       would, and validates each against the schemas and `labrun.config.validate`. Prints one
+       would, and validates each against the schemas and `labrun.config.schema.validate`. Prints one
        line per problem, `FILE: KEY: what is wrong`, then a count; exits 1 when anything fails.
 diff:  the resolved keys that differ between two configs, each a run folder or an override list.
 """
@@ -28,11 +28,12 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationToMissingValueError, OmegaConfBaseException
 
-from labrun import config
-from labrun.entry import user_error_message
-from labrun.errors import ConfigError, LabrunError
+from labrun.cli.hydra_app import user_error_message
+from labrun.config import schema as config
+from labrun.core.errors import ConfigError, LabrunError
+from labrun.core.project import CONF_DIR
 
-PROJECT_CONF = Path(__file__).resolve().parents[2] / "conf"
+PROJECT_CONF = CONF_DIR
 PRIMARY = "train"
 # Hydra's own settings and the untracked per-user overrides are not options people review.
 SKIPPED_GROUPS = ("hydra", "local")
@@ -279,7 +280,7 @@ def check_one(target: Target, config_dir: Path, config_name: str, placeholder: s
 
 
 def _validation_problem(cfg: DictConfig, file: str) -> Problem | None:
-    """labrun.config.validate's first complaint (it stops at the first)."""
+    """labrun.config.schema.validate's first complaint (it stops at the first)."""
     try:
         config.validate(cfg)
     except ConfigError as error:
@@ -339,7 +340,7 @@ def _did_you_mean(key: str, schema: str) -> str:
 
 
 def _key_of(message: str) -> str:
-    # labrun.config's messages start with the key: "optimizer.lr=-0.1 must be ..."
+    # labrun.config.schema's messages start with the key: "optimizer.lr=-0.1 must be ..."
     match = re.match(r"[\w./]+", message)
     return match.group(0) if match else "-"
 

@@ -1,5 +1,5 @@
 """`labrun predict MODEL IMAGE_OR_DIR... [--k 5] [--csv FILE]`: what `labrun serve` would answer,
-offline, through the same labrun.inference code.
+offline, through the same labrun.deploy.runtime code.
 
 Prints one line per image (`path  class (prob)  class (prob) ...`), or writes a CSV with one row
 per (image, rank). An unreadable image is named on stderr and skipped; the exit code is then 1.
@@ -12,8 +12,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from labrun import inference
-from labrun.errors import LabrunError
+from labrun.core.errors import LabrunError
+from labrun.deploy import runtime as inference
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
 

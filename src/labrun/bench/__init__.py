@@ -43,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from labrun.bench_targets import Target, Verdict, judge, report  # noqa: F401 - re-exported
+from labrun.bench.targets import Target, Verdict, judge, report  # noqa: F401 - re-exported
+from labrun.core.errors import ConfigError, LabrunError
 from labrun.data.convert import cpu_count
-from labrun.errors import ConfigError, LabrunError
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -132,7 +132,7 @@ def configure_data(parser: argparse.ArgumentParser) -> None:
 def run_data(args: argparse.Namespace) -> list[Verdict]:
     from rich.console import Console
 
-    from labrun.distributed import pick_device
+    from labrun.train.distributed import pick_device
 
     console = Console(soft_wrap=True)
     for flag in ("images", "batch_size", "workers", "size", "rounds", "passes"):
@@ -234,7 +234,7 @@ def labrun_data(dataset: dict, args: argparse.Namespace):
     from omegaconf import OmegaConf
 
     from labrun import data
-    from labrun.config import HDF5Config, ImageFolderConfig
+    from labrun.config.schema import HDF5Config, ImageFolderConfig
     from labrun.data.sources import SubsetSource
 
     schema = HDF5Config if dataset["name"] == "hdf5" else ImageFolderConfig
@@ -408,10 +408,10 @@ def photo_like(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
 BENCHES: dict[str, tuple[str, str, str]] = {
     "data": ("labrun.bench", "_data",
              "data loading: torchvision baseline vs labrun imagefolder and hdf5 vs a ceiling"),
-    "trainer": ("labrun.bench_trainer", "_trainer",
+    "trainer": ("labrun.bench.trainer", "_trainer",
                 "TrainingSession vs a bare PyTorch loop on the same batches"),
-    "startup": ("labrun.bench_trainer", "_startup",
+    "startup": ("labrun.bench.trainer", "_startup",
                 "python train.py to its first step vs importing torch"),
-    "serve": ("labrun.bench_serve", "",
+    "serve": ("labrun.bench.serve", "",
               "POST /predict through `labrun serve` vs the bare runtime"),
 }

@@ -32,16 +32,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import labrun
-from labrun import checkpoint as ckpt
-from labrun.checkpoint import CheckpointManager
-from labrun.classification import eval_metrics, eval_sums, training_loss
+from labrun.core.errors import LabrunError, one_line
 from labrun.data import Data
 from labrun.data.transforms import BatchNormalizer
-from labrun.distributed import Distributed, all_reduce_sum
-from labrun.errors import LabrunError, one_line
 from labrun.models import unwrap
-from labrun.progress import ProgressReporter
-from labrun.tracking import NoTracker, RunFolder, Tracker, write_rank_record
+from labrun.track.loggers import NoTracker, RunFolder, Tracker, write_rank_record
+from labrun.train import checkpoint as ckpt
+from labrun.train.checkpoint import CheckpointManager
+from labrun.train.distributed import Distributed, all_reduce_sum
+from labrun.train.progress import ProgressReporter
+from labrun.train.task import eval_metrics, eval_sums, training_loss
 
 
 class RunInterrupted(LabrunError):

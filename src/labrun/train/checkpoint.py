@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from labrun.errors import LabrunError
+from labrun.core.errors import LabrunError
 
 STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
 

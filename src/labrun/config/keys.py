@@ -17,7 +17,7 @@ from hydra.utils import get_object
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from labrun.errors import ConfigError
+from labrun.core.errors import ConfigError
 
 
 class NewKeys(Enum):

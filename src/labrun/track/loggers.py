@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from labrun.errors import one_line
+from labrun.core.errors import one_line
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -249,7 +249,7 @@ class TensorBoardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            from labrun.errors import ConfigError
+            from labrun.core.errors import ConfigError
 
             raise ConfigError("logger=tensorboard needs the tensorboard package: "
                               "pip install -e '.[tensorboard]'") from error
@@ -278,7 +278,7 @@ def build(cfg: DictConfig, run_dir: Path, *, is_main: bool, resume_id: str | Non
     if name == "tensorboard":
         return TensorBoardTracker(run_dir)
     sweep = sweep or {}
-    from labrun.provenance import redact, redact_tree
+    from labrun.runs.provenance import redact, redact_tree
 
     config = redact_tree(OmegaConf.to_container(cfg, resolve=True))
     config["overrides"] = [redact(o) for o in sweep.get("overrides", [])]

@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from labrun.errors import one_line
+from labrun.core.errors import one_line
+from labrun.core.project import PROJECT_DIR
 
 OK, WARNING, FAILED = "ok", "warning", "failed"
-PROJECT_DIR = Path(__file__).resolve().parents[2]  # src layout: the repository root
 LOW_DISK_GIB, MIN_DISK_GIB = 10, 1
 
 
@@ -390,7 +390,7 @@ def check_wandb() -> Check:
         # a set key is reported as exactly that, never as "logged in".
         return Check("wandb", WARNING, "key set (WANDB_API_KEY), not verified",
                      "wandb login --verify checks the key against the server")
-    from labrun.tracking import wandb_host
+    from labrun.track.loggers import wandb_host
 
     host = wandb_host()
     netrc_path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
@@ -533,7 +533,7 @@ def load_project_context(partition: str | None) -> dict:
 def compose_config(conf: Path, lab: bool):
     from hydra import compose, initialize_config_dir
 
-    from labrun import config
+    from labrun.config import schema as config
 
     config.register()
     with initialize_config_dir(str(conf.resolve()), version_base="1.3"):

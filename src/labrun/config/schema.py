@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from labrun.config_keys import NewKeys, check_keys
-from labrun.errors import ConfigError
+from labrun.config.keys import NewKeys, check_keys
+from labrun.core.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # Top level

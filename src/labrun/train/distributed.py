@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from labrun.errors import ConfigError
+from labrun.core.errors import ConfigError
 
 
 @dataclass

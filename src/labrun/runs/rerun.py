@@ -16,10 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from labrun import provenance
-from labrun.errors import LabrunError
-
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+from labrun.core.errors import LabrunError
+from labrun.core.project import PROJECT_DIR
+from labrun.runs import provenance
 
 
 def configure(parser, name: str) -> None:

@@ -26,9 +26,10 @@ import torch
 import torchvision
 
 from labrun.bench import write_json
-from labrun.bench_targets import Target, Verdict, judge
+from labrun.bench.targets import Target, Verdict, judge
+from labrun.core.project import PROJECT_DIR
 
-PROJECT = Path(__file__).resolve().parents[2]
+PROJECT = PROJECT_DIR
 
 # labrun's loop may cost at most 3% of a hand-written one's throughput, and a run may take at
 # most 1.5 s longer than importing torch to its first step: both targets as these benchmarks
@@ -84,13 +85,15 @@ def _session(args, run_dir: Path):
     """A TrainingSession on the same model, its loader replaced by the in-memory batches."""
     from hydra import compose, initialize_config_dir
 
-    from labrun import config, models, tracking
-    from labrun.checkpoint import CheckpointManager
+    from labrun import models
+    from labrun.config import schema as config
     from labrun.data import Data
     from labrun.data.sources import ArraySource
-    from labrun.distributed import Distributed
-    from labrun.session import TrainingSession
-    from labrun.tracking import RunFolder
+    from labrun.track import loggers as tracking
+    from labrun.track.loggers import RunFolder
+    from labrun.train.checkpoint import CheckpointManager
+    from labrun.train.distributed import Distributed
+    from labrun.train.trainer import TrainingSession
 
     config.register()
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):

@@ -18,8 +18,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from labrun.config_keys import new_key_problem
-from labrun.errors import LabrunError, one_line
+from labrun.config.keys import new_key_problem
+from labrun.core.errors import LabrunError, one_line
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -43,7 +43,7 @@ def exit_on_user_error():
 
 def _print_if_expected(error: BaseException) -> int | None:
     """Print the one line for an interruption or a user error; return the exit code."""
-    from labrun.session import RunInterrupted
+    from labrun.train.trainer import RunInterrupted
 
     if isinstance(error, RunInterrupted | KeyboardInterrupt):
         print(f"interrupted: {error}" if str(error) else "interrupted", file=sys.stderr)
@@ -124,7 +124,7 @@ def _omegaconf_message(error: OmegaConfBaseException, context: str, in_file: boo
         known = _known_keys(error)
         hint = difflib.get_close_matches(leaf, known, n=1)
         did_you_mean = f"; did you mean {parent + '.' if parent else ''}{hint[0]}?" if hint else ""
-        # `+KEY=...` adds a key, but only where the section takes it (labrun.config.NewKeys).
+        # `+KEY=...` adds a key, but only where the section takes it (labrun.config.keys.NewKeys).
         node = getattr(error, "parent_node", None)
         takes_it = isinstance(node, DictConfig) and new_key_problem(node, leaf, key) is None
         add = f" (add a new key with +{key}=...)" if takes_it and not in_file else ""

@@ -22,7 +22,7 @@ import subprocess
 from collections import Counter, defaultdict
 from typing import Any
 
-from labrun.errors import LabrunError
+from labrun.core.errors import LabrunError
 from labrun.launch import SLURM_COMMENT_PREFIX
 
 DOWN_STATES = "down,drain,draining,fail,no_respond"

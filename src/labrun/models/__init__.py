@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from labrun.errors import ConfigError
+from labrun.core.errors import ConfigError
 
 
 class SimpleCNN(nn.Module):
