@@ -89,8 +89,8 @@ def _session(args, run_dir: Path):
     from labrun.config import schema as config
     from labrun.data import Data
     from labrun.data.sources import ArraySource
+    from labrun.runs.rundir import RunDir
     from labrun.track import loggers as tracking
-    from labrun.track.loggers import RunFolder
     from labrun.train.checkpoint import CheckpointManager
     from labrun.train.distributed import Distributed
     from labrun.train.trainer import TrainingSession
@@ -109,7 +109,7 @@ def _session(args, run_dir: Path):
     data = Data({"train": source, "val": source}, cfg.dataset)
     model = models.build(cfg.model, 10)
     # The run folder writes metrics.jsonl (and the summary) as on a real run's rank 0.
-    session = TrainingSession(cfg, data, model, folder=RunFolder(run_dir),
+    session = TrainingSession(cfg, data, model, folder=RunDir(run_dir, writer=True),
                               checkpoints=CheckpointManager(run_dir), dist=Distributed())
     session.tracker = tracking.build(cfg, run_dir, is_main=True)
     return session

@@ -33,9 +33,9 @@ import labrun
 from labrun import models
 from labrun.config.schema import DatasetConfig
 from labrun.core.errors import LabrunError, one_line
+from labrun.core.files import write_json_atomic
 from labrun.data.transforms import ValTransform, normalize_on_device
 from labrun.deploy import runtime as inference
-from labrun.track.loggers import write_json_atomic
 from labrun.train.checkpoint import load as load_checkpoint
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from labrun.core.errors import LabrunError
-from labrun.track.loggers import write_json_atomic
+from labrun.core.files import write_json_atomic
 
 MANIFEST = "jobs.json"
 

@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from labrun.core.errors import LabrunError
-from labrun.track.loggers import read_jsonl
+from labrun.core.files import read_jsonl
 
 NOT_METRICS = {"step", "epoch", "time"}  # bookkeeping columns of metrics.jsonl
 STATUS_STYLE = {"completed": "green", "failed": "red", "running": "yellow",

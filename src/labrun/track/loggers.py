@@ -8,92 +8,14 @@ interface: `log(metrics, step)` and `finish(status, summary)`.
 from __future__ import annotations
 
 import csv
-import json
-import math
 import os
-import socket
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
 from labrun.core.errors import one_line
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def write_rank_record(run_dir: Path, *, rank: int, **facts: Any) -> None:
-    """ranks/rank-N.json: which process rank N was (host, PID) and how many optimizer steps it
-    took itself in this segment. Every rank writes its own, so a run shows that all its
-    processes trained; a resumed run replaces it with the new segment's."""
-    folder = Path(run_dir) / "ranks"
-    folder.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(folder / f"rank-{rank}.json", {
-        "host": socket.gethostname(), "pid": os.getpid(), "rank": rank, **facts,
-        "ended_at": time.time()})
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of a JSON-lines file (a line cut short by a crash is dropped)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def _clean(value: Any) -> Any:
-    """JSON has no NaN or infinity: write them as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-class RunFolder:
-    """metrics.jsonl and summary.json of one run. Only rank 0 writes (enabled=False elsewhere)."""
-
-    def __init__(self, path: str | Path, enabled: bool = True):
-        self.path = Path(path)
-        self.enabled = enabled
-        self.metrics_path = self.path / "metrics.jsonl"
-        self.summary_path = self.path / "summary.json"
-        # A resumed run keeps what its summary already says (when it first started, say).
-        self.summary: dict[str, Any] = (json.loads(self.summary_path.read_text())
-                                        if self.summary_path.is_file() else {})
-        if enabled:
-            self.path.mkdir(parents=True, exist_ok=True)
-
-    def truncate_after(self, step: int) -> None:
-        """Drop the points logged after `step`: a resumed run logs them again, once."""
-        if not self.enabled or not self.metrics_path.exists():
-            return
-        keep = [row for row in read_jsonl(self.metrics_path) if row.get("step", 0) <= step]
-        tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
-        os.replace(tmp, self.metrics_path)
-
-    def log(self, metrics: dict[str, Any], step: int, epoch: int) -> None:
-        if not self.enabled:
-            return
-        row = {"step": step, "epoch": epoch, "time": round(time.time(), 3)}
-        row.update({k: _clean(v) for k, v in metrics.items()})
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def update_summary(self, **values: Any) -> None:
-        self.summary.update({k: _clean(v) for k, v in values.items()})
-        if self.enabled:
-            write_json_atomic(self.summary_path, self.summary)
-
+from labrun.runs.rundir import RunDir
 
 # ---------------------------------------------------------------------------------------------
 # Logger backends
@@ -125,9 +47,10 @@ class CSVTracker:
     run_id = None
 
     def __init__(self, run_dir: Path):
-        self.path = run_dir / "metrics.csv"
+        run = RunDir(run_dir)
+        self.path = run.metrics_csv_path
         # Start from metrics.jsonl, already cut back to the resumed step.
-        self.rows = read_jsonl(run_dir / "metrics.jsonl")
+        self.rows = run.read_metrics()
         self.columns: list[str] = []
         for row in self.rows:
             self._add_columns(row)

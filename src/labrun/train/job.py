@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from labrun.config import schema as config
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.core.project import PROJECT_DIR
 from labrun.runs import provenance
+from labrun.runs.rundir import RunDir
 from labrun.track import loggers as tracking
 from labrun.train import distributed
 from labrun.train.checkpoint import CheckpointManager
@@ -66,26 +66,21 @@ def train_worker(cfg: DictConfig, launch: dict[str, Any]) -> dict[str, Any]:
 def train_process(cfg: DictConfig, launch: dict[str, Any]) -> float | None:
     """One rank's share of a run (the only one, without distributed training)."""
     dist = distributed.setup(cfg.trainer, cfg.distributed)
+    run_dir = RunDir(cfg.paths.run_dir)
     if dist.is_main:  # failures of an earlier attempt do not describe this one
-        shutil.rmtree(Path(cfg.paths.run_dir) / "errors", ignore_errors=True)
+        run_dir.clear_rank_errors()
     try:
         return _train(cfg, dist, launch)
     except Exception as error:
-        # Rank 0 records its own failure in summary.json; a stop signal is no failure.
+        # Rank 0 records its own failure in summary.json; a stop signal is no failure. The
+        # others write errors/rank-N.txt, so a launcher can report it even when the scheduler
+        # saw the job end well.
         if not dist.is_main and not isinstance(error, RunInterrupted):
-            record_rank_failure(Path(cfg.paths.run_dir), dist.rank, error)
+            run_dir.write_rank_error(dist.rank, f"rank {dist.rank}: {type(error).__name__}: "
+                                                f"{one_line(error)}")
         raise
     finally:
         distributed.cleanup()
-
-
-def record_rank_failure(run_dir: Path, rank: int, error: BaseException) -> None:
-    """errors/rank-N.txt: how a rank other than 0 failed, so a launcher can report it even when
-    the scheduler saw the job end well."""
-    folder = run_dir / "errors"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"rank-{rank}.txt").write_text(
-        f"rank {rank}: {type(error).__name__}: {one_line(error)}\n")
 
 
 def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any]
@@ -100,11 +95,11 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.monitor,
                                     cfg.checkpoint.mode, cfg.checkpoint.keep_last)
     resume = find_resume_state(cfg, checkpoints)
-    folder = tracking.RunFolder(run_dir, enabled=dist.is_main)
+    folder = RunDir(run_dir, writer=dist.is_main)
     # metrics.jsonl keeps what happened up to the step this run starts from: a resumed run logs
     # the later steps again, and a run from scratch (checkpoint.resume=never, or an earlier
     # attempt that ended before its first checkpoint) logs every step again.
-    folder.truncate_after(resume["step"] if resume is not None else 0)
+    folder.truncate_metrics_after(resume["step"] if resume is not None else 0)
     recorded = {}
     if dist.is_main:
         recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR)

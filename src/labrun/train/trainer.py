@@ -36,7 +36,8 @@ from labrun.core.errors import LabrunError, one_line
 from labrun.data import Data
 from labrun.data.transforms import BatchNormalizer
 from labrun.models import unwrap
-from labrun.track.loggers import NoTracker, RunFolder, Tracker, write_rank_record
+from labrun.runs.rundir import RunDir
+from labrun.track.loggers import NoTracker, Tracker
 from labrun.train import checkpoint as ckpt
 from labrun.train.checkpoint import CheckpointManager
 from labrun.train.distributed import Distributed, all_reduce_sum
@@ -71,7 +72,7 @@ class _Window:
 
 
 class TrainingSession:
-    def __init__(self, cfg: DictConfig, data: Data, model: nn.Module, *, folder: RunFolder,
+    def __init__(self, cfg: DictConfig, data: Data, model: nn.Module, *, folder: RunDir,
                  checkpoints: CheckpointManager, dist: Distributed):
         trainer = cfg.trainer
         self.cfg, self.data, self.folder = cfg, data, folder
@@ -292,8 +293,8 @@ class TrainingSession:
             f"{k} {v:.4f}" for k, v in test.items()))
 
     def write_rank_record(self, status: str, resumed_from: int) -> None:
-        write_rank_record(
-            self.folder.path, rank=self.dist.rank, local_rank=self.dist.local_rank,
+        self.folder.write_rank_record(
+            rank=self.dist.rank, local_rank=self.dist.local_rank,
             world_size=self.dist.world_size, status=status, resumed_from_step=resumed_from,
             step=self.step, optimizer_steps=self.steps_taken)
 
@@ -312,7 +313,7 @@ class TrainingSession:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def log(self, metrics: dict[str, float]) -> None:
-        self.folder.log(metrics, self.step, self.epoch)
+        self.folder.log_metrics(metrics, self.step, self.epoch)
         if self.dist.is_main:
             self.folder.summary.update(metrics)
         self.tracker.log(metrics, self.step)

@@ -1,0 +1,186 @@
+"""RunDir: the one owner of a run folder's layout. No other code builds these paths.
+
+    RUN/
+      .hydra/config.yaml      the composed config, as Hydra saved it (unresolved)
+      .hydra/overrides.yaml   the command-line overrides the run was started with
+      train.log               Hydra's per-run log file
+      summary.json            status, started_at/ended_at, last/*, best/*, error, requeued
+      metrics.jsonl           one JSON object per logged point: step, epoch, time, metrics
+      metrics.csv             logger=csv only
+      checkpoints/            step-NNNNNNNN.pt, last.pt, best.pt (train.checkpoint owns them)
+      provenance/             code and environment (runs.provenance owns it)
+      errors/rank-N.txt       how a rank other than 0 failed
+      ranks/rank-N.json       which process each rank was and the steps it took
+
+Writers: only global rank 0 writes summary.json and metrics.jsonl (`writer=False` on the other
+ranks makes every write a no-op); each rank writes its own errors/ and ranks/ file.
+The contracts (keys of summary.json, metric names) are in docs/ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from labrun.core.files import read_jsonl, write_json_atomic, write_text_atomic
+
+# summary.json "status" values
+STATUSES = ("running", "completed", "failed", "interrupted")
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunDir:
+    def __init__(self, path: str | Path, *, writer: bool = False):
+        self.path = Path(path)
+        self.writer = writer
+        self._summary: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # -- paths -------------------------------------------------------------------------------
+    @property
+    def summary_path(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def metrics_csv_path(self) -> Path:
+        return self.path / "metrics.csv"
+
+    @property
+    def hydra_dir(self) -> Path:
+        return self.path / ".hydra"
+
+    @property
+    def config_path(self) -> Path:
+        return self.hydra_dir / "config.yaml"
+
+    @property
+    def overrides_path(self) -> Path:
+        return self.hydra_dir / "overrides.yaml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.path / "train.log"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def provenance_dir(self) -> Path:
+        return self.path / "provenance"
+
+    @property
+    def errors_dir(self) -> Path:
+        return self.path / "errors"
+
+    @property
+    def ranks_dir(self) -> Path:
+        return self.path / "ranks"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.path / "tensorboard"
+
+    def is_run(self) -> bool:
+        """A folder a run has started in (Hydra saved its config, or it has a summary)."""
+        return self.hydra_dir.is_dir() or self.summary_path.is_file()
+
+    # -- summary.json ------------------------------------------------------------------------
+    @property
+    def summary(self) -> dict[str, Any]:
+        """What summary.json says (read once; updates go through update_summary)."""
+        if self._summary is None:
+            self._summary = self.read_summary()
+        return self._summary
+
+    def read_summary(self) -> dict[str, Any]:
+        """summary.json as it is on disk now ({} when there is none, or it is unreadable)."""
+        try:
+            return json.loads(self.summary_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def update_summary(self, **values: Any) -> None:
+        self.summary.update({k: _clean(v) for k, v in values.items()})
+        if self.writer:
+            self.path.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.summary_path, self.summary, durable=True)
+
+    # -- metrics.jsonl -----------------------------------------------------------------------
+    def read_metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.metrics_path)
+
+    def log_metrics(self, metrics: dict[str, Any], step: int, epoch: int) -> None:
+        if not self.writer:
+            return
+        row = {"step": step, "epoch": epoch, "time": round(time.time(), 3)}
+        row.update({k: _clean(v) for k, v in metrics.items()})
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def truncate_metrics_after(self, step: int) -> None:
+        """Drop the points logged after `step`: a resumed run logs them again, once."""
+        if not self.writer or not self.metrics_path.exists():
+            return
+        keep = [row for row in self.read_metrics() if row.get("step", 0) <= step]
+        write_text_atomic(self.metrics_path, "".join(json.dumps(row) + "\n" for row in keep))
+
+    # -- what Hydra saved --------------------------------------------------------------------
+    def overrides(self) -> list[str] | None:
+        """The overrides the run was started with (None: no .hydra/overrides.yaml)."""
+        if not self.overrides_path.is_file():
+            return None
+        return list(yaml.safe_load(self.overrides_path.read_text()) or [])
+
+    def saved_config(self) -> dict[str, Any] | None:
+        """The composed config Hydra saved (unresolved; None when there is none)."""
+        if not self.config_path.is_file():
+            return None
+        return yaml.safe_load(self.config_path.read_text()) or {}
+
+    # -- per-rank records --------------------------------------------------------------------
+    def clear_rank_errors(self) -> None:
+        for path in self.rank_error_files():
+            path.unlink(missing_ok=True)
+
+    def write_rank_error(self, rank: int, text: str) -> None:
+        self.errors_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.errors_dir / f"rank-{rank}.txt", text.rstrip("\n") + "\n")
+
+    def rank_error_files(self) -> list[Path]:
+        return sorted(self.errors_dir.glob("rank-*.txt"))
+
+    def rank_errors(self) -> list[str]:
+        return [p.read_text().strip() for p in self.rank_error_files()]
+
+    def write_rank_record(self, rank: int, **facts: Any) -> None:
+        """ranks/rank-N.json: which process rank N was (host, PID) and how many optimizer steps
+        it took itself in this segment. Every rank writes its own, so a run shows that all its
+        processes trained; a resumed run replaces it with the new segment's."""
+        self.ranks_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.ranks_dir / f"rank-{rank}.json", {
+            "host": socket.gethostname(), "pid": os.getpid(), "rank": rank, **facts,
+            "ended_at": time.time()})
+
+    def rank_records(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in sorted(self.ranks_dir.glob("rank-*.json"))]
