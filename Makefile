@@ -20,6 +20,7 @@ bench: $(STAMP)   ## benchmarks as ratios against a baseline of the same run; ex
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests train.py benchmarks
 	$(VENV)/bin/labrun configs check
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -10,10 +10,12 @@ import math
 
 import pytest
 
-from labrun import bench, cli
-from labrun.bench import DATA_TARGETS, Target, judge, report
+from labrun import cli
+from labrun.bench import Target, judge, report
+from labrun.bench import data as bench_data
 from labrun.bench import serve as bench_serve
 from labrun.bench import trainer as bench_trainer
+from labrun.bench.data import DATA_TARGETS
 from labrun.bench.serve import SERVE_TARGETS
 from labrun.bench.trainer import STARTUP_TARGETS, TRAINER_TARGETS
 
@@ -85,7 +87,7 @@ def test_a_figure_the_benchmark_did_not_measure_is_an_error():
 def fake_benchmarks(monkeypatch, speedup: float, ratio: float, difference_s: float,
                     errors: int) -> None:
     """Every benchmark's run function replaced by one that returns injected figures."""
-    monkeypatch.setattr(bench, "run_data", lambda args: judge(
+    monkeypatch.setattr(bench_data, "run_data", lambda args: judge(
         "data", data_figures(speedup, 0.9), DATA_TARGETS))
     monkeypatch.setattr(bench_trainer, "run_trainer", lambda args: judge(
         "trainer", {"ratio": ratio}, TRAINER_TARGETS))

@@ -325,12 +325,12 @@ def test_two_2_gpu_jobs_share_a_node_with_disjoint_gpus_from_slurm(tmp_path, sce
 INJECT_RANK_1_FAILURE = """
 import os
 if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("SLURM_ARRAY_TASK_ID") == "2":
-    from labrun.train.trainer import TrainingSession
-    fit = TrainingSession.fit
+    from labrun.train.trainer import Trainer
+    fit = Trainer.fit
     def fit_then_fail(self, *args, **kwargs):
         fit(self, *args, **kwargs)
         raise RuntimeError("failure injected by the test on the second node")
-    TrainingSession.fit = fit_then_fail
+    Trainer.fit = fit_then_fail
 """
 
 

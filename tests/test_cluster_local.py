@@ -1,6 +1,7 @@
-"""cluster=local sweeps: labrun's launcher runs jobs as subprocesses, at most max_parallel at
-once, each with its own GPUs; a failing job leaves the others; a re-run finishes only what is
-left. (`python train.py trainer.devices=2`, two local processes: tests/test_distributed.py.)
+"""cluster=local sweeps: labrun's launcher runs each job through submitit's LocalExecutor, at
+most max_parallel at once, each with its own GPUs; a failing job leaves the others; a re-run
+finishes only what is left; Ctrl-C stops the jobs with a checkpoint; USR2 requeues a job.
+(`python train.py trainer.devices=2`, two local processes: tests/test_distributed.py.)
 
 No GPU is here: the GPU ids are handed out through CUDA_VISIBLE_DEVICES all the same (each job
 records what it got), and the jobs train on the CPU.
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -129,10 +133,6 @@ def test_more_devices_than_gpus_is_refused_at_once(tmp_path, devices):
 
 
 def test_an_interrupted_optuna_search_continues_its_study(tmp_path):
-    import os
-    import signal
-    import time
-
     import optuna
 
     # Ctrl-C must land while trial 2 trains: after its summary.json appears (training started)
@@ -171,3 +171,62 @@ def test_an_interrupted_optuna_search_continues_its_study(tmp_path):
     assert read_summary(tmp_path / "3")["status"] == "completed"
     assert read_summary(tmp_path / "2")["status"] == "interrupted"
 
+
+
+def wait_until_training(proc: subprocess.Popen, run_dirs: list[Path]) -> None:
+    # The jobs start one after another, each well under two minutes on a loaded 2-core machine;
+    # 300 s only keeps a hung sweep from blocking the suite.
+    deadline = time.time() + 300
+    while not all((run_dir / "summary.json").exists() for run_dir in run_dirs):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.1)
+
+
+def job_process(controller_pid: int) -> int:
+    """The job's own process: the one child of its submitit controller (jobs.json's id)."""
+    children = Path(f"/proc/{controller_pid}/task/{controller_pid}/children").read_text()
+    return int(children.split()[0])
+
+
+# Three TINY epochs: the signal must land while the job trains (see the Optuna test below).
+LONGER = ["trainer.max_epochs=3"]
+
+
+def test_ctrl_c_in_a_terminal_stops_each_job_with_a_checkpoint(tmp_path):
+    # A terminal's Ctrl-C goes to its whole foreground process group: the launcher and the
+    # controllers submitit starts. The jobs must stop as the launcher asks (SIGTERM, then a
+    # checkpoint), not be killed by their controllers, and not see the SIGINT themselves.
+    args = [PYTHON, "train.py", "-m", *FAST, *TINY, *LONGER, "optimizer.lr=0.001,0.002",
+            "cluster.gpu_ids=[0,1]", f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.Popen(args, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # its own group, as in a terminal
+    wait_until_training(proc, [tmp_path / "0", tmp_path / "1"])
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)  # each job stops at its next step: seconds
+    assert proc.returncode == 130
+    # A controller that got the SIGINT would die with a KeyboardInterrupt traceback, after
+    # passing SIGINT on and SIGKILL a second later (too soon for a step of real training).
+    assert "KeyboardInterrupt" not in out
+    for row in job_rows(tmp_path):
+        assert (row["state"], row["returncode"]) == ("interrupted", 130)
+        assert read_summary(Path(row["dir"]))["status"] == "interrupted"
+        log = Path(row["log"]).read_text()
+        assert "interrupted: SIGTERM at step" in log and "SIGINT" not in log
+
+
+def test_usr2_checkpoints_and_requeues_a_job_which_then_completes(tmp_path):
+    # What SLURM sends before a time limit or a preemption, and what submitit's local controller
+    # sends before cluster time-outs: the job saves a checkpoint, submitit starts it again, and
+    # it resumes from that checkpoint.
+    args = [PYTHON, "train.py", "-m", *FAST, *TINY, *LONGER, f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.Popen(args, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    wait_until_training(proc, [tmp_path / "0"])
+    os.kill(job_process(int(job_rows(tmp_path)[0]["job_id"])), signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=300)  # the rest of the job, as above
+    assert proc.returncode == 0, out
+    row = job_rows(tmp_path)[0]
+    assert (row["state"], row["returncode"]) == ("completed", 0)
+    log = Path(row["log"]).read_text()
+    assert "checkpoint saved, requeueing" in log and "resuming from" in log
+    assert read_summary(tmp_path / "0")["status"] == "completed"

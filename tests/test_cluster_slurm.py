@@ -117,12 +117,12 @@ def test_two_task_ddp_job_trains_and_only_rank_0_writes(tmp_path):
 INJECT_RANK_1_FAILURE = """
 import os
 if os.environ.get("SLURM_PROCID") == "1":
-    from labrun.train.trainer import TrainingSession
-    fit = TrainingSession.fit
+    from labrun.train.trainer import Trainer
+    fit = Trainer.fit
     def fit_then_fail(self, *args, **kwargs):
         fit(self, *args, **kwargs)
         raise RuntimeError("failure injected by the test on rank 1")
-    TrainingSession.fit = fit_then_fail
+    Trainer.fit = fit_then_fail
 """
 
 

@@ -102,7 +102,7 @@ def test_markdown_holds_the_same_table(sweep, planted, tmp_path):
 def test_plot_has_curves_and_metric_vs_the_swept_parameter(sweep, tmp_path):
     out = tmp_path / "sweep.png"
     result = run_labrun("compare", str(sweep), "--plot", str(out))
-    assert "best val/acc vs optimizer.lr" in result.stdout
+    assert "best val/acc vs optimizer.lr" in result.stderr  # the "wrote FILE (...)" report
     with Image.open(out) as image:
         assert image.format == "PNG" and image.size == (1200, 450)  # two 6x4.5-inch panels
 
@@ -110,7 +110,7 @@ def test_plot_has_curves_and_metric_vs_the_swept_parameter(sweep, tmp_path):
 def test_plot_of_one_run_has_only_its_curves(sweep, tmp_path):
     out = tmp_path / "run.png"
     result = run_labrun("compare", str(sweep / "1"), "--plot", str(out), "--metric", "train/loss")
-    assert "vs" not in result.stdout.split("wrote")[-1]
+    assert "wrote" in result.stderr and "vs" not in result.stderr.split("wrote")[-1]
     with Image.open(out) as image:
         assert image.size == (600, 450)
 

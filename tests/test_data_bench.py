@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from conftest import run_labrun
-from labrun.bench import (
+from labrun.bench.data import (
     DATA_TARGETS,
     baseline_loader,
     generate_photos,
@@ -101,7 +101,7 @@ def test_bench_trainer_runs_the_session_and_the_bare_loop_on_the_same_batches(tm
     figures = json.loads(out.read_text())
     assert figures["bare"] > 0 and figures["session"] > 0
     assert abs(figures["ratio"] - figures["session"] / figures["bare"]) < 1e-6
-    assert "TrainingSession" in result.stdout
+    assert "Trainer" in result.stdout
     # The session's side logs as a real run does: each whole epoch ends with a logged point.
     assert figures["metrics_rows"] >= rounds
     (target,) = TRAINER_TARGETS

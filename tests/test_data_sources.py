@@ -36,7 +36,7 @@ def clean(tmp_path_factory):
 def build(name: str, location: str, **overrides) -> data.Data:
     schema, key = (HDF5Config, "path") if name == "hdf5" else (ImageFolderConfig, "root")
     cfg = OmegaConf.merge(OmegaConf.structured(schema), {
-        "name": name, key: location, "image_size": 32, "num_workers": 2, **overrides})
+        "_target_": f"labrun.data.{name}.load", "name": name, key: location, "image_size": 32, "num_workers": 2, **overrides})
     return data.build(cfg)
 
 

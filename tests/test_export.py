@@ -56,9 +56,9 @@ def check_metadata(path: Path, run_dir: Path, fmt: str, which: str = "best") -> 
 
 def test_onnx_export_passes_parity_on_validation_images(run_copy):
     result = run_labrun("export", str(run_copy), "--format", "onnx")
-    print(result.stdout)
-    assert "parity (dynamo): 32 validation images of digits/val" in result.stdout
-    assert "top-1 agrees on 32/32 -> ok" in result.stdout
+    print(result.stderr)  # what the command reports (logging) goes to stderr
+    assert "parity (dynamo): 32 validation images of digits/val" in result.stderr
+    assert "top-1 agrees on 32/32 -> ok" in result.stderr
 
     path = run_copy / "export" / "best.onnx"
     meta = check_metadata(path, run_copy, "onnx")
@@ -77,8 +77,8 @@ def test_onnx_export_passes_parity_on_validation_images(run_copy):
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
 def test_torchscript_export_passes_parity_on_validation_images(run_copy):
     result = run_labrun("export", str(run_copy), "--format", "torchscript")
-    print(result.stdout)
-    assert "parity (torch.jit.trace): 32 validation images of digits/val" in result.stdout
+    print(result.stderr)
+    assert "parity (torch.jit.trace): 32 validation images of digits/val" in result.stderr
 
     path = run_copy / "export" / "best.torchscript.pt"
     check_metadata(path, run_copy, "torchscript")
@@ -92,7 +92,7 @@ def test_legacy_exporter_last_checkpoint_and_out(digits_run, tmp_path):
     out = tmp_path / "deploy" / "last.onnx"
     result = run_labrun("export", str(digits_run / "checkpoints" / "last.pt"), "--exporter",
                         "legacy", "--out", str(out), "--opset", "17")
-    assert "parity (legacy)" in result.stdout
+    assert "parity (legacy)" in result.stderr
     meta = check_metadata(out, digits_run, "onnx", which="last")
     assert meta["exporter"] == "legacy" and meta["opset"] == 17
 

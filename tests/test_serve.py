@@ -34,7 +34,8 @@ from labrun import models
 from labrun.data import digits
 from labrun.data.transforms import ValTransform, normalize_on_device
 from labrun.deploy import runtime as inference
-from labrun.deploy.serve import MAX_CONCURRENCY, serving
+from labrun.deploy.serve import MAX_CONCURRENCY
+from labrun.deploy.served import serving
 
 
 @pytest.fixture(scope="module")

@@ -71,9 +71,10 @@ def test_help_lists_groups_and_cfg_job_prints_the_config():
     help_text = subprocess.run([PYTHON, "train.py", "--help"], cwd=PROJECT, capture_output=True,
                                text=True, check=True).stdout
     for line in ("dataset: cifar10, digits, hdf5, imagefolder, synthetic",
-                 "model: resnet18, resnet50, simple_cnn, torchvision",
+                 "model: resnet18, resnet50, simple_cnn, timm, torchvision",
                  "optimizer: adamw, sgd", "precision: bf16, fp16, fp32",
-                 "schedule: constant, cosine, step"):
+                 "schedule: constant, cosine, step", "logger: csv, none, tensorboard, wandb",
+                 "task: classification", "callbacks: early_stopping, none"):
         assert line in help_text
     job = subprocess.run([PYTHON, "train.py", "--cfg", "job", "model=resnet18",
                           "optimizer.lr=0.2"], cwd=PROJECT, capture_output=True, text=True,

@@ -135,7 +135,7 @@ def metrics_shape_differs(run_dir: Path, reference_dir: Path) -> list[str]:
 
 def saved_steps(every_n: int, steps_per_epoch: int, last_step: int) -> list[int]:
     """The steps at which a run saves a checkpoint up to `last_step`: every `every_n` steps
-    and at every epoch's end (src/labrun/session.py)."""
+    and at every epoch's end (src/labrun/train/trainer.py)."""
     return [s for s in range(1, last_step + 1)
             if (every_n and s % every_n == 0) or s % steps_per_epoch == 0]
 

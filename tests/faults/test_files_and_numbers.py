@@ -23,7 +23,7 @@ from faults.conftest import (
     metrics_lost,
     saved_steps,
 )
-from labrun.train.trainer import _cpu_autocast_supports
+from labrun.train.precision import _cpu_autocast_supports
 
 # Two epochs of 6 steps, a checkpoint every 2 steps and a metrics line every 2 steps (so that
 # there are lines before each fault to compare).

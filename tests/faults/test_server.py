@@ -26,7 +26,8 @@ from PIL import Image
 
 from conftest import run_labrun
 from labrun.data import digits
-from labrun.deploy.serve import MAX_CONCURRENCY, serving
+from labrun.deploy.serve import MAX_CONCURRENCY
+from labrun.deploy.served import serving
 
 pytestmark = pytest.mark.timeout(300)  # the first test may train the session's digits run
 

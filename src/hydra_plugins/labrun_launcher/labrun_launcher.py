@@ -5,7 +5,8 @@ from labrun.launch import local, optuna_sweeper, slurm
 
 
 class LabrunLocalLauncher(local.LocalLauncher):
-    """cluster=local: the sweep's jobs as subprocesses, one per free GPU."""
+    """cluster=local: each of the sweep's jobs a submitit LocalExecutor job with its own
+    GPUs, started as GPUs become free."""
 
 
 class LabrunSlurmLauncher(slurm.SlurmLauncher):

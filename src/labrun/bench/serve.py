@@ -55,9 +55,8 @@ def configure(parser) -> None:
 
 
 def run(args) -> list[Verdict]:
-    from labrun.deploy.serve import (
-        serving,  # FastAPI: only for this benchmark, not for `labrun bench`
-    )
+    # FastAPI and uvicorn: imported only for this benchmark, not for `labrun bench`.
+    from labrun.deploy.served import serving
 
     if args.requests < 1 or args.clients < 1 or args.rounds < 1:
         raise LabrunError("--requests, --clients and --rounds must be 1 or more")

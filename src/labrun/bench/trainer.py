@@ -1,6 +1,6 @@
 """`labrun bench trainer` and `labrun bench startup`: what labrun's loop and start-up cost.
 
-trainer: images/s over whole epochs of TrainingSession.train_epoch() against a bare 20-line
+trainer: images/s over whole epochs of Trainer.train_epoch() against a bare 20-line
     PyTorch loop on the same model, the same in-memory uint8 batches and the same batch size,
     on the CPU, in one run (rounds interleaved, best of each). Both normalise each batch with
     the same BatchNormalizer on the same device; the session logs as a real run does (the
@@ -82,7 +82,7 @@ def _bare_loop(model, optimizer, batches, normalize) -> float:
 
 
 def _session(args, run_dir: Path):
-    """A TrainingSession on the same model, its loader replaced by the in-memory batches."""
+    """A Trainer on the same model, its loader replaced by the in-memory batches."""
     from hydra import compose, initialize_config_dir
 
     from labrun import models
@@ -93,7 +93,7 @@ def _session(args, run_dir: Path):
     from labrun.track import loggers as tracking
     from labrun.train.checkpoint import CheckpointManager
     from labrun.train.distributed import Distributed
-    from labrun.train.trainer import TrainingSession
+    from labrun.train.trainer import Trainer
 
     config.register()
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
@@ -109,7 +109,7 @@ def _session(args, run_dir: Path):
     data = Data({"train": source, "val": source}, cfg.dataset)
     model = models.build(cfg.model, 10)
     # The run folder writes metrics.jsonl (and the summary) as on a real run's rank 0.
-    session = TrainingSession(cfg, data, model, folder=RunDir(run_dir, writer=True),
+    session = Trainer(cfg, data, model, folder=RunDir(run_dir, writer=True),
                               checkpoints=CheckpointManager(run_dir), dist=Distributed())
     session.tracker = tracking.build(cfg, run_dir, is_main=True)
     return session
@@ -145,7 +145,7 @@ def run_trainer(args: argparse.Namespace) -> list[Verdict]:
           f"whole epochs of {args.steps} steps, log every "
           f"{session.cfg.trainer.log_every_n_steps} steps):")
     print(f"  bare PyTorch loop   {best['bare']:8.1f} images/s")
-    print(f"  TrainingSession     {best['session']:8.1f} images/s  ({metrics_rows} rows written "
+    print(f"  Trainer             {best['session']:8.1f} images/s  ({metrics_rows} rows written "
           f"to metrics.jsonl)")
     print(f"  ratio               {ratio:8.3f}")
     figures = {"bare": best["bare"], "session": best["session"], "ratio": ratio,

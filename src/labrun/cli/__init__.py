@@ -9,24 +9,25 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import logging
 import sys
 
 from labrun.core.errors import LabrunError
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("labrun.data.convert", "convert an image folder to one HDF5 file"),
-    "resume": ("labrun.runs.rerun", "resume an interrupted run in its own folder"),
-    "rerun": ("labrun.runs.rerun", "reproduce a run from scratch in a new folder"),
-    "status": ("labrun.runs.status", "show the state of a sweep's jobs"),
-    "queue": ("labrun.launch.queue", "the SLURM cluster: GPUs in use, fair share, pending jobs"),
-    "compare": ("labrun.runs.compare", "compare runs: table, csv, markdown, plot"),
-    "configs": ("labrun.config.review", "check or diff configs for review"),
-    "export": ("labrun.deploy.export", "export a run's model to TorchScript or ONNX"),
-    "serve": ("labrun.deploy.serve", "serve an exported model over HTTP"),
-    "predict": ("labrun.deploy.predict", "predict images offline with an exported model"),
-    "doctor": ("labrun.doctor", "check this machine's GPU/CUDA/NCCL/SLURM set-up"),
-    "bench": ("labrun.bench", "run the benchmarks"),
+    "convert": ("labrun.cli.convert", "convert an image folder to one HDF5 file"),
+    "resume": ("labrun.cli.rerun", "resume an interrupted run in its own folder"),
+    "rerun": ("labrun.cli.rerun", "reproduce a run from scratch in a new folder"),
+    "status": ("labrun.cli.status", "show the state of a sweep's jobs"),
+    "queue": ("labrun.cli.queue", "the SLURM cluster: GPUs in use, fair share, pending jobs"),
+    "compare": ("labrun.cli.compare", "compare runs: table, csv, markdown, plot"),
+    "configs": ("labrun.cli.configs", "check or diff configs for review"),
+    "export": ("labrun.cli.export", "export a run's model to TorchScript or ONNX"),
+    "serve": ("labrun.cli.serve", "serve an exported model over HTTP"),
+    "predict": ("labrun.cli.predict", "predict images offline with an exported model"),
+    "doctor": ("labrun.cli.doctor", "check this machine's GPU/CUDA/NCCL/SLURM set-up"),
+    "bench": ("labrun.cli.bench", "run the benchmarks"),
 }
 
 
@@ -38,8 +39,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def setup_logging() -> None:
+    """What a command reports goes to stderr, so that its output (tables, JSON, CSV) can be
+    piped: through rich on a terminal, as plain lines otherwise (logs, CI, pipes). A no-op when
+    logging is already set up (a test runner, a program calling main())."""
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(show_path=False)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints usage or the error, exits 2
         return 2

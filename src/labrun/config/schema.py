@@ -7,7 +7,14 @@ types cannot express: ranges, choices, paths and how keys fit together.
 
 A key added with `+` (which Hydra lets through even into a typed section) must be one something
 reads: each schema says which new keys it takes with its class attribute `new_keys`, and
-`config_keys.check_keys()` refuses the rest, naming the closest known key.
+`keys.check_keys()` refuses the rest, naming the closest known key.
+
+Fields declared with `key(...)` carry their facts (a path? may it change on resume? does it change
+the result?) as metadata; config/facts.py derives every key list from them.
+
+About 420 lines, over the ~400 guideline: one short dataclass per config option plus the
+validation of what types cannot say; split by group, the schemas would no longer read as the one
+table of every key labrun takes.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any, ClassVar
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from labrun.config.fields import collect, key
 from labrun.config.keys import NewKeys, check_keys
 from labrun.core.errors import ConfigError
 
@@ -30,9 +38,9 @@ from labrun.core.errors import ConfigError
 
 @dataclass
 class TrainerConfig:
-    max_epochs: int = 8
+    max_epochs: int = key(8, resume_safe=True)  # more epochs: resume and train on
     batch_size: int = 64  # effective, global: micro_batch_size x accumulation x world size
-    micro_batch_size: Any = "auto"  # per process, or "auto": batch_size / world size, halved on OOM
+    micro_batch_size: Any = key("auto", resume_safe=True)  # per process, or "auto": batch_size / world size, halved on OOM
     accelerator: str = "auto"  # auto (cuda, then mps, then cpu) | cuda | mps | cpu
     devices: int = 1  # processes per node, one per GPU
     num_nodes: int = 1
@@ -40,38 +48,40 @@ class TrainerConfig:
     grad_clip: float = 0.0  # max gradient norm; 0 turns clipping off
     channels_last: bool = False
     compile: bool = False  # torch.compile the model
-    log_every_n_steps: int = 10
+    log_every_n_steps: int = key(10, resume_safe=True, affects_result=False)
     limit_train_batches: int | None = None  # optimizer steps per epoch, for smoke runs
-    limit_val_batches: int | None = None
+    limit_val_batches: int | None = key(None, resume_safe=True)
     nan_policy: str = "stop"  # stop | skip: what a non-finite loss does
-    progress: str = "auto"  # auto (rich bar on a TTY, log lines otherwise) | bar | log | none
+    progress: str = key("auto", resume_safe=True, affects_result=False)  # auto (rich bar on a TTY, log lines otherwise) | bar | log | none
 
 
 @dataclass
 class CheckpointConfig:
     monitor: str = "val/acc"
     mode: str = "max"  # max | min
-    keep_last: int = 3  # step-NNNNNNNN.pt history files kept beside last.pt and best.pt
-    every_n_steps: int = 0  # 0: only at the end of every epoch
-    resume: str = "auto"  # auto | never | PATH to a checkpoint
+    keep_last: int = key(3, resume_safe=True, affects_result=False)  # step-NNNNNNNN.pt history files kept beside last.pt and best.pt
+    every_n_steps: int = key(0, resume_safe=True, affects_result=False)  # 0: only at the end of every epoch
+    resume: str = key("auto", path=True, resume_safe=True, affects_result=False)  # auto | never | PATH to a checkpoint
 
 
 @dataclass
 class PathsConfig:
-    data_dir: str = "data"
-    raw_dir: str = "data/raw"
-    processed_dir: str = "data/processed"
-    output_root: str = "outputs"
-    multirun_root: str = "multirun"
-    scratch_dir: str = "/tmp/labrun-scratch"
-    run_dir: str = "."
+    # Where things are, not what a run computes: the folder a run's data sits in may move.
+    data_dir: str = key("data", path=True, resume_safe=True, affects_result=False)
+    raw_dir: str = key("data/raw", path=True, resume_safe=True, affects_result=False)
+    processed_dir: str = key("data/processed", path=True, resume_safe=True, affects_result=False)
+    output_root: str = key("outputs", resume_safe=True, affects_result=False)
+    multirun_root: str = key("multirun", resume_safe=True, affects_result=False)
+    scratch_dir: str = key("/tmp/labrun-scratch", path=True, resume_safe=True,
+                           affects_result=False)
+    run_dir: str = key(".", resume_safe=True, affects_result=False)  # set by Hydra in each job
 
 
 @dataclass
 class DistributedConfig:
     backend: str = "auto"  # auto: nccl on CUDA, gloo on the CPU
-    bucket_cap_mb: int = 25  # DDP's gradient bucket size
-    timeout_s: int = 1800  # how long a collective waits for the other ranks
+    bucket_cap_mb: int = key(25, affects_result=False)  # DDP's gradient bucket size
+    timeout_s: int = key(1800, affects_result=False)  # how long a collective waits for the other ranks
 
 
 @dataclass
@@ -84,12 +94,15 @@ class TrainConfig:
     optimizer: Any = MISSING
     schedule: Any = MISSING
     precision: Any = MISSING
-    cluster: Any = MISSING
-    logger: Any = MISSING
-    paths: Any = MISSING
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # Where and how a run is launched and logged, not what it computes.
+    cluster: Any = key(MISSING, resume_safe=True, affects_result=False)
+    logger: Any = key(MISSING, resume_safe=True, affects_result=False)
+    paths: Any = key(MISSING, resume_safe=True, affects_result=False)
+    task: Any = MISSING  # loss and metrics: conf/task/
+    callbacks: Any = key(factory=dict)  # name -> a `_target_` node: conf/callbacks/
+    trainer: TrainerConfig = key(factory=TrainerConfig)
+    checkpoint: CheckpointConfig = key(factory=CheckpointConfig)
+    distributed: DistributedConfig = key(factory=DistributedConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,13 +119,16 @@ class AugmentConfig:
 
 @dataclass
 class DatasetConfig:
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET  # those its loader takes
+
+    _target_: str = MISSING  # the format's loader: a function returning {split: ImageSource}
     name: str = MISSING
     image_size: int = 224
-    num_workers: int = 2
+    num_workers: int = key(2, resume_safe=True, affects_result=False)  # samples are seeded per index
     val_fraction: float = 0.1  # held out of train when the data has no val split
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    augment: AugmentConfig = key(factory=AugmentConfig)
 
 
 @dataclass
@@ -130,20 +146,20 @@ class SyntheticConfig(DatasetConfig):
 
 @dataclass
 class ImageFolderConfig(DatasetConfig):
-    root: str = MISSING
+    root: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
     decoder: str = "turbojpeg"  # turbojpeg | pil | torchvision
 
 
 @dataclass
 class HDF5Config(DatasetConfig):
-    path: str = MISSING
+    path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
     decoder: str = "turbojpeg"
 
 
 @dataclass
 class CIFAR10Config(DatasetConfig):
-    root: str = MISSING
-    download: bool = True
+    root: str = key(MISSING, must_exist=True, resume_safe=True)
+    download: bool = key(True, affects_result=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +172,7 @@ class ModelConfig:
 
     _target_: str = MISSING
     _partial_: bool = True
-    init_from: str | None = None  # a checkpoint whose weights start this run (fine-tuning)
+    init_from: str | None = key(None, must_exist=True)  # a checkpoint whose weights start this run (fine-tuning)
 
 
 @dataclass
@@ -168,6 +184,12 @@ class SimpleCNNConfig(ModelConfig):
 @dataclass
 class TorchvisionModelConfig(ModelConfig):
     name: str = MISSING
+
+
+@dataclass
+class TimmModelConfig(ModelConfig):
+    name: str = MISSING  # any name timm.list_models() gives
+    drop_rate: float = 0.0  # dropout before the classifier
 
 
 @dataclass
@@ -255,7 +277,17 @@ class SlurmClusterConfig(ClusterConfig):
 
 
 @dataclass
+class TaskConfig:
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET
+
+    _target_: str = MISSING  # a class with training_loss, eval_sums, eval_metrics
+
+
+@dataclass
 class LoggerConfig:
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET  # those its Tracker class takes
+
+    _target_: str = MISSING  # the Tracker class (facts: the `logger` field's)
     name: str = "csv"  # wandb | tensorboard | csv | none
     project: str = "labrun"
     entity: str | None = None
@@ -276,6 +308,7 @@ SCHEMAS: dict[str, Any] = {
     "dataset/cifar10": CIFAR10Config,
     "model/simple_cnn": SimpleCNNConfig,
     "model/torchvision": TorchvisionModelConfig,
+    "model/timm": TimmModelConfig,
     "optimizer/sgd": SGDConfig,
     "optimizer/adamw": AdamWConfig,
     "schedule/cosine": CosineScheduleConfig,
@@ -285,6 +318,7 @@ SCHEMAS: dict[str, Any] = {
     "cluster/local": LocalClusterConfig,
     "cluster/slurm": SlurmClusterConfig,
     "logger": LoggerConfig,
+    "task": TaskConfig,
 }
 
 
@@ -322,7 +356,6 @@ CHOICES = {
     "trainer.progress": ("auto", "bar", "log", "none"),
     "checkpoint.mode": ("max", "min"),
     "precision.name": ("fp32", "bf16", "fp16"),
-    "logger.name": ("wandb", "tensorboard", "csv", "none"),
     "logger.mode": ("auto", "online", "offline", "disabled"),
     "distributed.backend": ("auto", "nccl", "gloo"),
 }
@@ -335,18 +368,18 @@ NON_NEGATIVE = ("optimizer.weight_decay", "trainer.grad_clip", "checkpoint.keep_
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError naming the first key that cannot work, and how to fix it."""
     check_keys(cfg)
-    for key, choices in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
+    for dotted, choices in CHOICES.items():
+        value = OmegaConf.select(cfg, dotted)
         if value is not None and value not in choices:
-            raise ConfigError(f"{key}={value} is not one of: {', '.join(choices)}")
-    for key in POSITIVE:
-        value = OmegaConf.select(cfg, key)
+            raise ConfigError(f"{dotted}={value} is not one of: {', '.join(choices)}")
+    for dotted in POSITIVE:
+        value = OmegaConf.select(cfg, dotted)
         if value is not None and not value > 0:
-            raise ConfigError(f"{key}={value} must be greater than 0")
-    for key in NON_NEGATIVE:
-        value = OmegaConf.select(cfg, key)
+            raise ConfigError(f"{dotted}={value} must be greater than 0")
+    for dotted in NON_NEGATIVE:
+        value = OmegaConf.select(cfg, dotted)
         if value is not None and value < 0:
-            raise ConfigError(f"{key}={value} must be 0 or more")
+            raise ConfigError(f"{dotted}={value} must be 0 or more")
     fraction = cfg.dataset.val_fraction
     if not 0 <= fraction < 1:
         raise ConfigError(f"dataset.val_fraction={fraction} must be in [0, 1)")
@@ -365,8 +398,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.batch_size={cfg.trainer.batch_size} is not divisible by the world size "
             f"{world_size} (trainer.devices x trainer.num_nodes)")
-    for key in ("dataset.root", "dataset.path", "model.init_from"):
-        _check_exists(cfg, key)
+    for dotted, facts in collect(SCHEMAS).items():
+        if facts.must_exist:
+            _check_exists(cfg, dotted)
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).is_file():
         raise ConfigError(

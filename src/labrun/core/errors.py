@@ -16,6 +16,11 @@ class DataError(LabrunError):
     """A data file or folder that cannot be read; the message names the file and the fix."""
 
 
+def first_line(text: str) -> str:
+    """The first line of a (possibly multi-line) message."""
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
 def one_line(error: BaseException) -> str:
     """The first line of an error's message.
 
@@ -25,4 +30,4 @@ def one_line(error: BaseException) -> str:
     text = str(error).strip()
     if text.startswith("Caught ") and "Original Traceback" in text:
         text = text.splitlines()[-1].split(": ", 1)[-1]
-    return text.splitlines()[0] if text else type(error).__name__
+    return first_line(text) if text else type(error).__name__

@@ -3,6 +3,10 @@
     build(cfg.dataset)  -> Data: one ImageSource per split (train, val, maybe test) + class names
     Data.loader(split, ...)  -> a DataLoader of uint8 NCHW batches and int64 labels
 
+A dataset format is a function named by `dataset._target_` (digits.load, hdf5.load, ... or a
+lab's own): it takes some of the dataset keys as keyword arguments (`path`, `image_size`...)
+and returns {"train": ImageSource, "val": ..., "test": ...}; val may be left out.
+
 Samples are addressed as (epoch, index): the sampler, which lives in the main process, hands
 the epoch to the workers with every index, so each sample's augmentation randomness derives from
 (seed, epoch, index). That keeps runs reproducible with any number of workers, persistent or
@@ -11,13 +15,16 @@ not, and lets a resumed run continue mid-epoch with exactly the same batches.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labrun.core.errors import DataError
@@ -25,26 +32,24 @@ from labrun.data.sources import ImageSource, hold_out
 from labrun.data.transforms import TrainTransform, ValTransform
 
 
-def _load_sources(cfg: DictConfig) -> dict[str, ImageSource]:
-    name = cfg.name
-    if name == "digits":
-        from labrun.data import digits
-        return digits.load(cfg.image_size, cfg.val_fraction)
-    if name == "synthetic":
-        from labrun.data import synthetic
-        return synthetic.load(cfg.image_size, cfg.num_classes, cfg.num_train, cfg.num_val,
-                              cfg.num_test)
-    if name == "cifar10":
-        from labrun.data import cifar
-        return cifar.load(cfg.root, cfg.download, cfg.val_fraction)
-    if name == "imagefolder":
-        from labrun.data import imagefolder
-        return imagefolder.load(cfg.root, cfg.decoder)
-    if name == "hdf5":
-        from labrun.data import hdf5
-        return hdf5.load(cfg.path, cfg.decoder)
-    raise DataError(f"dataset.name={name} is unknown; use digits, synthetic, cifar10, "
-                    f"imagefolder or hdf5")
+def call_target(node: DictConfig, **available: Any) -> Any:
+    """Call `node._target_` with the keyword arguments it names, taken from the node's keys
+    and `available` (values labrun computes, such as a run folder).
+
+    Unlike hydra.utils.instantiate, which passes every key, a plug-in takes only what it needs
+    from a section that also holds keys for labrun (a dataset's loader takes `path`, not
+    `num_workers`); one that takes **kwargs gets everything.
+    """
+    target = get_object(node._target_)
+    parameters = inspect.signature(target).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    values = {str(k): _plain(node[k]) for k in node if not str(k).startswith("_")}
+    values.update(available)
+    return target(**{k: v for k, v in values.items() if takes_any or k in parameters})
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 @dataclass
@@ -90,7 +95,7 @@ class Data:
 
 
 def build(cfg: DictConfig) -> Data:
-    splits = _load_sources(cfg)
+    splits = call_target(cfg)
     if "val" not in splits:
         if cfg.val_fraction <= 0:
             raise DataError(f"{splits['train'].name} has no val split; set dataset.val_fraction "

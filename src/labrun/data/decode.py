@@ -34,11 +34,15 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from labrun.core.errors import ConfigError
+from labrun.core.errors import ConfigError, one_line
 
 DECODERS = ("turbojpeg", "pil", "torchvision")
 FAST_SCALES = ((1, 8), (1, 4), (1, 2))  # smallest first
 JPEG_MAGIC = b"\xff\xd8\xff"
+# File suffixes taken as images, by image folders (data.imagefolder) and `labrun predict` alike:
+# every format Pillow decodes that cameras, datasets and web pages use.
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp",
+                            ".tif", ".tiff", ".ppm", ".pgm", ".pbm"})
 TURBOJPEG_PACKAGE = "libturbojpeg0"  # Debian/Ubuntu; macOS: brew install jpeg-turbo
 
 log = logging.getLogger(__name__)
@@ -224,7 +228,7 @@ def turbojpeg_error() -> str | None:
     except ImportError:
         return "the PyTurboJPEG package is not installed (pip install 'PyTurboJPEG<2')"
     except (OSError, RuntimeError) as error:  # the shared library is missing or unloadable
-        return f"libturbojpeg could not be loaded ({str(error).splitlines()[0]})"
+        return f"libturbojpeg could not be loaded ({one_line(error)})"
     return None
 
 

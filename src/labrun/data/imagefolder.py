@@ -14,11 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from labrun.core.errors import DataError
-from labrun.data.decode import JpegImage, decode, open_image, resolve
+from labrun.data.decode import IMAGE_SUFFIXES, JpegImage, decode, open_image, resolve
 
 SPLITS = ("train", "val", "test")
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp",
-                              ".tif", ".tiff", ".ppm", ".pgm", ".pbm"})
 
 
 @dataclass
@@ -85,7 +83,7 @@ def _images_under(folder: Path, relative_to: Path) -> list[bytes]:
     for directory, subdirs, names in os.walk(folder, followlinks=True):
         subdirs[:] = [d for d in subdirs if not d.startswith(".")]
         for name in names:
-            if not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS:
+            if not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES:
                 found.append(os.fsencode(os.path.relpath(os.path.join(directory, name),
                                                          relative_to)))
     return found

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import os
 import platform
 import warnings
@@ -36,7 +37,10 @@ from labrun.core.errors import LabrunError, one_line
 from labrun.core.files import write_json_atomic
 from labrun.data.transforms import ValTransform, normalize_on_device
 from labrun.deploy import runtime as inference
+from labrun.runs.rundir import RunDir
 from labrun.train.checkpoint import load as load_checkpoint
+
+log = logging.getLogger(__name__)
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}
 DEFAULT_OPSET = 18  # the dynamo exporter's minimum; run by onnxruntime >= 1.14 and TensorRT 8.6+
@@ -47,36 +51,12 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
 # Model configs name the class to build with `_target_`; a checkpoint could name anything, so
 # only these are built unless LABRUN_TRUSTED_MODULES (comma-separated prefixes) adds more.
 TRUSTED_TARGETS = ("labrun.models.", "torchvision.models.", "torch.nn.", "timm.")
+FP16_NEEDS_GPU = ("--fp16 exports on a CUDA GPU and none is visible here; export fp32 (drop "
+                  "--fp16) or run this on a GPU node")
 
 
-def configure(parser) -> None:
-    parser.add_argument("source", metavar="RUN_DIR|CHECKPOINT",
-                        help="a run folder (uses checkpoints/best.pt) or a checkpoint file")
-    parser.add_argument("--format", choices=sorted(FORMATS), default="onnx", dest="fmt",
-                        help="onnx (default) or torchscript")
-    parser.add_argument("--fp16", action="store_true",
-                        help="export a half-precision model (needs a CUDA GPU)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output file (default: RUN_DIR/export/<which><suffix>)")
-    parser.add_argument("--which", choices=("best", "last"), default="best",
-                        help="checkpoint of a run folder to export (default best)")
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET,
-                        help=f"ONNX opset (default {DEFAULT_OPSET})")
-    parser.add_argument("--exporter", choices=("auto", "dynamo", "legacy"), default="auto",
-                        help="ONNX exporter: auto tries dynamo, then legacy (default auto)")
-    parser.add_argument("--no-check", action="store_true",
-                        help="skip the parity check against eager PyTorch")
 
 
-def run(args) -> int:
-    if args.fp16 and not torch.cuda.is_available():
-        raise LabrunError("--fp16 exports on a CUDA GPU and none is visible here; "
-                          "export fp32 (drop --fp16) or run this on a GPU node")
-    result = export(Path(args.source), out=args.out, fmt=args.fmt, which=args.which,
-                    fp16=args.fp16, opset=args.opset, exporter=args.exporter,
-                    check_data=None if args.no_check else "val", verbose=True)
-    print(f"metadata: {inference.metadata_path(result.path)}")
-    return 0
 
 
 @dataclass
@@ -152,7 +132,7 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
         "opset": opset if fmt == "onnx" else None,
         "parity": check,
         "source": {
-            "run_dir": str(run_dir.resolve()) if run_dir else None,
+            "run_dir": str(run_dir.path.resolve()) if run_dir else None,
             "checkpoint": str(checkpoint.resolve()),
             "checkpoint_sha256": sha256(checkpoint),
             "model": cfg["model"].get("_target_"),
@@ -168,9 +148,9 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
     write_json_atomic(inference.metadata_path(out), metadata)
     if verbose:
         source = metadata["source"]
-        print(f"exported {checkpoint} (epoch {source['epoch']}, step {source['step']}, "
-              f"{source['monitor']} {_fmt(source['best'])}) -> {out} ({fmt}, "
-              f"{metadata['dtype']}, {used}, {out.stat().st_size / 2**20:.1f} MB)")
+        log.info(f"exported {checkpoint} (epoch {source['epoch']}, step {source['step']}, "
+                 f"{source['monitor']} {_fmt(source['best'])}) -> {out} ({fmt}, "
+                 f"{metadata['dtype']}, {used}, {out.stat().st_size / 2**20:.1f} MB)")
     return Exported(out, metadata)
 
 
@@ -195,7 +175,7 @@ def write_checked(model: torch.nn.Module, out: Path, fmt: str, exporter: str, op
             if images is not None:
                 check = parity(tmp, fmt, reference, images, prep, dtype, device)
                 if verbose:
-                    print_parity(check, name)
+                    report_parity(check, name)
                 if not check["passed"]:
                     raise LabrunError(f"parity check failed: max abs diff "
                                       f"{check['max_abs_diff']:.2e} > {check['tolerance']:.2e} "
@@ -206,26 +186,26 @@ def write_checked(model: torch.nn.Module, out: Path, fmt: str, exporter: str, op
             tmp.unlink(missing_ok=True)
             failures.append(f"{name}: {one_line(error)}")
             if verbose and len(failures) < len(candidates):
-                print(f"{name} exporter failed ({failures[-1]}); trying the next one")
+                log.warning("%s exporter failed (%s); trying the next one", name, failures[-1])
     raise LabrunError(f"could not export to {fmt}: {'; '.join(failures)}")
 
 
-def find_checkpoint(source: Path, which: str) -> tuple[Path, Path | None]:
-    """(checkpoint file, run folder or None) for a run folder or a checkpoint path."""
+def find_checkpoint(source: Path, which: str) -> tuple[Path, RunDir | None]:
+    """(checkpoint file, its run folder or None) for a run folder or a checkpoint path."""
     if source.is_dir():
-        checkpoint = source / "checkpoints" / f"{which}.pt"
+        run_dir = RunDir(source)
+        checkpoint = run_dir.checkpoint_path(which)
         if not checkpoint.is_file():
             raise LabrunError(f"{source}: no checkpoints/{which}.pt; is it a run folder "
                               f"of a run that finished at least one epoch?")
-        return checkpoint, source
+        return checkpoint, run_dir
     if not source.is_file():
         raise LabrunError(f"{source}: no such run folder or checkpoint file")
-    run_dir = source.parent.parent if source.parent.name == "checkpoints" else None
-    return source, run_dir
+    return source, RunDir.of_checkpoint(source)
 
 
-def default_output(checkpoint: Path, run_dir: Path | None, fmt: str, fp16: bool) -> Path:
-    folder = run_dir / "export" if run_dir else checkpoint.parent
+def default_output(checkpoint: Path, run_dir: RunDir | None, fmt: str, fp16: bool) -> Path:
+    folder = run_dir.export_dir if run_dir else checkpoint.parent
     return folder / f"{checkpoint.stem}{'-fp16' if fp16 else ''}{FORMATS[fmt]}"
 
 
@@ -357,12 +337,12 @@ def parity(path: Path, fmt: str, reference: torch.nn.Module,
             "passed": diff <= tolerance and mismatches == 0}
 
 
-def print_parity(check: dict[str, Any], exporter: str) -> None:
+def report_parity(check: dict[str, Any], exporter: str) -> None:
     verdict = "ok" if check["passed"] else "FAILED"
-    print(f"parity ({exporter}): {check['images_from']}, batch sizes "
-          f"{check['batch_sizes'][0]} and 1: max abs diff {check['max_abs_diff']:.2e} "
-          f"(tolerance {check['tolerance']:.2e}), top-1 agrees on "
-          f"{check['top1_agree']}/{check['images']} -> {verdict}")
+    log.info(f"parity ({exporter}): {check['images_from']}, batch sizes "
+             f"{check['batch_sizes'][0]} and 1: max abs diff {check['max_abs_diff']:.2e} "
+             f"(tolerance {check['tolerance']:.2e}), top-1 agrees on "
+             f"{check['top1_agree']}/{check['images']} -> {verdict}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,53 +8,50 @@ per (image, rank). An unreadable image is named on stderr and skipped; the exit 
 from __future__ import annotations
 
 import csv
-import sys
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 from labrun.core.errors import LabrunError
+from labrun.data.decode import IMAGE_SUFFIXES
+from labrun.deploy import load
 from labrun.deploy import runtime as inference
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
+log = logging.getLogger(__name__)
 
 
-def configure(parser) -> None:
-    parser.add_argument("model", metavar="MODEL",
-                        help="exported .onnx / .pt file, a run folder or a checkpoint")
-    parser.add_argument("inputs", nargs="+", type=Path, metavar="IMAGE_OR_DIR",
-                        help="image files, or folders searched recursively for images")
-    parser.add_argument("--k", type=int, default=5, help="classes per image (default 5)")
-    parser.add_argument("--csv", type=Path, default=None, metavar="FILE",
-                        help="write path,rank,class,index,prob rows here instead of printing")
-    parser.add_argument("--batch-size", type=int, default=32)
 
 
-def run(args) -> int:
-    if args.k < 1 or args.batch_size < 1:
+
+
+def predict(model: str | Path, inputs: list[Path], *, k: int = 5, csv_file: Path | None = None,
+            batch_size: int = 32) -> int:
+    """Print (or write as CSV) the top-k classes of each image; 1 when an image was skipped."""
+    if k < 1 or batch_size < 1:
         raise LabrunError("--k and --batch-size must be 1 or more")
-    paths = collect(args.inputs)
-    predictor, tmp = inference.load(args.model)
+    paths = collect(inputs)
+    predictor, tmp = load.load(model)
     try:
         rows, failed = [], 0
-        for path, top in predict_files(predictor, paths, args.k, args.batch_size):
+        for path, top in predict_files(predictor, paths, k, batch_size):
             if top is None:
                 failed += 1
                 continue
-            if args.csv is None:
+            if csv_file is None:
                 print(f"{path}  " + "  ".join(f"{t['class']} ({t['prob']:.4f})" for t in top))
             rows += [(str(path), rank, t["class"], t["index"], t["prob"])
                      for rank, t in enumerate(top, start=1)]
     finally:
-        inference.remove_folder(tmp)
-    if args.csv is not None:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "w", newline="") as f:
+        load.remove_folder(tmp)
+    if csv_file is not None:
+        csv_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(csv_file, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["path", "rank", "class", "index", "prob"])
             writer.writerows(rows)
-        print(f"{len(paths) - failed} images predicted, {failed} skipped -> {args.csv}")
+        log.info("%d images predicted, %d skipped -> %s", len(paths) - failed, failed, csv_file)
     elif failed:
-        print(f"{failed} of {len(paths)} images skipped", file=sys.stderr)
+        log.warning("%d of %d images skipped", failed, len(paths))
     return 1 if failed else 0
 
 
@@ -85,7 +82,7 @@ def predict_files(predictor: inference.Predictor, paths: list[Path], k: int, bat
             try:
                 images.append(predictor.decode(path.read_bytes()))
             except (inference.ImageError, OSError) as error:
-                print(f"skipped {path}: {error}", file=sys.stderr)
+                log.warning("skipped %s: %s", path, error)
                 images.append(None)
         good = [image for image in images if image is not None]
         tops = iter(predictor.predict(good, k) if good else [])

@@ -1,8 +1,8 @@
 """Load an exported model, preprocess images exactly as validation does, and predict.
 
-    predictor, tmp = load(MODEL)      MODEL: model.onnx | model.torchscript.pt (each with its
-                                      metadata JSON beside it), or a run folder or checkpoint,
-                                      exported to ONNX in the temp folder `tmp` first
+    predictor = Predictor(MODEL)      MODEL: model.onnx | model.torchscript.pt, each with its
+                                      metadata JSON beside it (labrun.deploy.load also takes a
+                                      run folder or a checkpoint, exporting it first)
     image = predictor.decode(jpeg_bytes)
     predictor.predict([image, ...], k=5) -> [[{"class", "index", "prob"}, ...], ...]
 
@@ -19,10 +19,7 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
-import tempfile
 import warnings
-import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -217,58 +214,6 @@ def read_metadata(model_path: Path) -> dict[str, Any]:
     if meta["format"] not in ("onnx", "torchscript"):
         raise LabrunError(f"{path}: unknown format {meta['format']!r}; export the model again")
     return meta
-
-
-# ---------------------------------------------------------------------------------------------
-# What a MODEL argument may be
-
-
-def is_torchscript_archive(path: Path) -> bool:
-    """TorchScript archives hold code/ and constants.pkl; a checkpoint holds only data.pkl."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return any(name.endswith("constants.pkl") for name in archive.namelist())
-    except (OSError, zipfile.BadZipFile):
-        return False
-
-
-def needs_export(model: Path) -> bool:
-    """A run folder or a checkpoint (any file that is not an exported model): export first."""
-    if model.is_dir():
-        return True
-    exported = (metadata_path(model).exists() or model.suffix == ".onnx"
-                or is_torchscript_archive(model))
-    return not exported
-
-
-def export_for_inference(model: Path, folder: Path) -> Path:
-    """Export a run folder or checkpoint to ONNX in `folder` (checked on random input, fast)."""
-    from labrun.deploy import export
-
-    out = folder / "model.onnx"
-    export.export(model, out=out, fmt="onnx", check_data="random")
-    return out
-
-
-def load(model: str | Path, threads: int | None = None) -> tuple[Predictor, Path | None]:
-    """A Predictor for any MODEL argument, and the temp folder to delete afterwards (or None)."""
-    model = Path(model)
-    if not model.exists():
-        raise LabrunError(f"{model}: no such file or folder; give an exported .onnx or .pt "
-                          f"file, a run folder or a checkpoint")
-    if not needs_export(model):
-        return Predictor(model, threads), None
-    folder = Path(tempfile.mkdtemp(prefix="labrun-export-"))
-    try:
-        return Predictor(export_for_inference(model, folder), threads), folder
-    except BaseException:
-        remove_folder(folder)
-        raise
-
-
-def remove_folder(folder: Path | None) -> None:
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def default_threads(workers: int = 1) -> int:

@@ -15,17 +15,12 @@ seconds is disconnected (HeaderDeadlineProtocol), so slow clients cannot hold ev
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import ipaddress
 import json
+import logging
 import os
 import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Annotated, Any
 
@@ -36,7 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from labrun.core.errors import LabrunError
+from labrun.deploy import load
 from labrun.deploy import runtime as inference
+
+log = logging.getLogger(__name__)
 
 MAX_BATCH_FILES = 64
 # Past this many open connections and tasks, uvicorn answers 503 instead of queueing more
@@ -57,51 +55,42 @@ ENV_MODEL, ENV_MAX_BYTES, ENV_THREADS = ("LABRUN_SERVE_MODEL", "LABRUN_SERVE_MAX
 ENV_HEADER_TIMEOUT = "LABRUN_SERVE_HEADER_TIMEOUT_S"
 
 
-def configure(parser) -> None:
-    parser.add_argument("model", metavar="MODEL",
-                        help="exported .onnx / .pt file, a run folder or a checkpoint")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=1, help="server processes (default 1)")
-    parser.add_argument("--max-upload-mb", type=float, default=10.0,
-                        help="largest request body accepted, in MB (default 10)")
-    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
-                        help="seconds a client has to send a request's headers before it is "
-                             f"disconnected (default {HEADER_TIMEOUT_S:.0f})")
-    parser.add_argument("--log-level", default="info",
-                        choices=("critical", "error", "warning", "info", "debug"))
 
 
-def run(args) -> int:
+
+
+def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1,
+          max_upload_mb: float = 10.0, header_timeout: float = HEADER_TIMEOUT_S,
+          log_level: str = "info") -> int:
+    """Serve MODEL until the server is stopped (Ctrl-C, SIGTERM)."""
     import uvicorn
 
-    if args.workers < 1:
-        raise LabrunError(f"--workers={args.workers} must be 1 or more")
-    if args.max_upload_mb <= 0:
-        raise LabrunError(f"--max-upload-mb={args.max_upload_mb} must be greater than 0")
-    if args.header_timeout <= 0:
-        raise LabrunError(f"--header-timeout={args.header_timeout} must be greater than 0")
-    check_port(args.host, args.port)
-    max_bytes = int(args.max_upload_mb * 2**20)
-    threads = inference.default_threads(args.workers)
-    predictor, tmp = inference.load(args.model, threads)
+    if workers < 1:
+        raise LabrunError(f"--workers={workers} must be 1 or more")
+    if max_upload_mb <= 0:
+        raise LabrunError(f"--max-upload-mb={max_upload_mb} must be greater than 0")
+    if header_timeout <= 0:
+        raise LabrunError(f"--header-timeout={header_timeout} must be greater than 0")
+    check_port(host, port)
+    max_bytes = int(max_upload_mb * 2**20)
+    threads = inference.default_threads(workers)
+    predictor, tmp = load.load(model, threads)
     try:
         meta = predictor.metadata
-        if not is_loopback(args.host):
-            print(f"warning: binding {args.host}: the server is reachable from other machines "
-                  f"and has no authentication")
-        print(f"serving {args.model} ({meta['format']}, {predictor.num_classes} classes, "
-              f"{meta['image_size']} px) on http://{args.host}:{args.port}  "
-              f"POST /predict, POST /predict/batch, GET /health, GET /metadata", flush=True)
-        os.environ[ENV_HEADER_TIMEOUT] = str(args.header_timeout)  # for every worker process
+        if not is_loopback(host):
+            log.warning("warning: binding %s: the server is reachable from other machines "
+                        "and has no authentication", host)
+        log.info("serving %s (%s, %d classes, %s px) on http://%s:%d  POST /predict, "
+                 "POST /predict/batch, GET /health, GET /metadata", model, meta["format"],
+                 predictor.num_classes, meta["image_size"], host, port)
+        os.environ[ENV_HEADER_TIMEOUT] = str(header_timeout)  # for every worker process
         # The protocol by name: a worker process then imports labrun.deploy.serve when its server
         # starts, after it began answering the supervisor's pings, not while it unpickles its
         # config (the class itself would be imported before the first answer).
-        common = dict(host=args.host, port=args.port, log_level=args.log_level,
+        common = dict(host=host, port=port, log_level=log_level,
                       limit_concurrency=MAX_CONCURRENCY,
                       http=f"{__name__}:{HeaderDeadlineProtocol.__name__}")
-        if args.workers == 1:
+        if workers == 1:
             uvicorn.run(create_app(predictor, max_bytes), **common)
         else:
             # Each worker process builds its own app from the (exported) model file.
@@ -110,10 +99,10 @@ def run(args) -> int:
             del predictor
             if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters:
                 common["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_TIMEOUT_S
-            uvicorn.run("labrun.deploy.serve:app_from_env", factory=True, workers=args.workers,
+            uvicorn.run("labrun.deploy.serve:app_from_env", factory=True, workers=workers,
                         **common)
     finally:
-        inference.remove_folder(tmp)
+        load.remove_folder(tmp)
     return 0
 
 
@@ -337,55 +326,3 @@ class UploadLimit:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
-
-
-# ---------------------------------------------------------------------------------------------
-# A server in a subprocess, for benchmarks and tests
-
-
-@dataclass
-class Served:
-    url: str
-    port: int
-    process: subprocess.Popen
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(model: str | Path, log: Path, *, args: Sequence[str] = (), cwd: Path | None = None,
-            env: dict[str, str] | None = None, timeout_s: float = 120) -> Iterator[Served]:
-    """`labrun serve MODEL` on a free 127.0.0.1 port, until /health answers; stopped by PID."""
-    import httpx
-
-    port = free_port()
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "labrun.cli", "serve", str(model),
-                                    "--port", str(port), *args], cwd=cwd, env=env,
-                                   stdout=out, stderr=subprocess.STDOUT)
-    served = Served(f"http://127.0.0.1:{port}", port, process)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise LabrunError(f"labrun serve exited with {process.returncode}: "
-                                  f"{log.read_text(errors='replace')[-500:]}")
-            if time.monotonic() > deadline:
-                raise LabrunError(f"labrun serve did not answer /health within {timeout_s:.0f} s")
-            try:
-                if httpx.get(f"{served.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield served
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

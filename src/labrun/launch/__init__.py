@@ -1,6 +1,7 @@
 """Sweeps: Hydra launchers that run a `-m` sweep's jobs, and the bookkeeping they share.
 
-    cluster=local   -> local.LocalLauncher: subprocesses on this machine, one job per free GPU
+    cluster=local   -> local.LocalLauncher: each job a submitit LocalExecutor job on this
+                       machine, with its own free GPUs
     cluster=lab     -> slurm.SlurmLauncher: a SLURM job array through submitit
     cluster=slurm_dev  (the same, on the CPU partition of the test cluster, scripts/slurm_up.sh)
 

@@ -8,9 +8,12 @@ after the existing ones, so no job folder is reused by a different trial.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+log = logging.getLogger(__name__)
 
 # optuna is imported inside the methods: Hydra imports this module on every start-up, and
 # importing optuna costs over a second.
@@ -33,8 +36,8 @@ class ResumableOptunaSweeper(OptunaSweeper):
                         study.enqueue_trial(trial.params)
                         study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
                 impl.n_trials = max(0, impl.n_trials - len(finished))
-                print(f"continuing study {impl.study_name}: {len(finished)} trials finished, "
-                      f"{impl.n_trials} to go", flush=True)
+                log.info("continuing study %s: %d trials finished, %d to go",
+                         impl.study_name, len(finished), impl.n_trials)
                 if impl.n_trials == 0:
                     return None
         return super().sweep(arguments)

@@ -15,47 +15,26 @@ their `|`-separated output is parsed here.
 
 from __future__ import annotations
 
-import getpass
-import json
-import shutil
-import subprocess
 from collections import Counter, defaultdict
 from typing import Any
 
+from labrun.core import probes
 from labrun.core.errors import LabrunError
 from labrun.launch import SLURM_COMMENT_PREFIX
 
 DOWN_STATES = "down,drain,draining,fail,no_respond"
 
 
-def configure(parser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the view as JSON")
-    parser.add_argument("--user", default=None,
-                        help="whose labrun sweeps to list (default: you)")
-
-
-def run(args) -> int:
-    view = collect(args.user or getpass.getuser())
-    if args.json:
-        print(json.dumps(view, indent=2))
-    else:
-        show(view)
-    return 0
 
 
 def slurm(*args: str) -> list[list[str]]:
-    """The rows of a SLURM command's `|`-separated, header-less output."""
-    if shutil.which(args[0]) is None:
-        raise LabrunError(f"{args[0]} not found: this machine is not a SLURM submit host; "
-                          "run labrun queue on a login node")
-    # 30 s: the clients wait out SLURM's own 10 s message timeout once or twice when the
-    # controller is slow; past that it is down.
-    out = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise LabrunError(f"{args[0]} failed: {out.stderr.strip()}; "
-                          "is the SLURM controller up? (labrun doctor)")
-    return [[cell.strip() for cell in line.split("|")]
-            for line in out.stdout.splitlines() if line.strip()]
+    """The rows of a SLURM command's `|`-separated, header-less output (core.probes asks)."""
+    try:
+        return probes.slurm_rows(*args)
+    except probes.SlurmError as error:
+        if error.kind in ("missing", "unconfigured"):
+            raise LabrunError(f"{error}; run labrun queue on a login node") from None
+        raise LabrunError(f"{error}; is the SLURM controller up? (labrun doctor)") from None
 
 
 def gpus_of(tres: str) -> int:

@@ -16,12 +16,12 @@ Built on hydra-submitit-launcher's SlurmLauncher, with what a lab needs on top:
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,14 +32,16 @@ from hydra.core.utils import JobReturn, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from labrun.core.errors import ConfigError, LabrunError
+from labrun.config import facts
+from labrun.core import probes
+from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.core.project import PROJECT_DIR
 from labrun.launch import SLURM_COMMENT_PREFIX, sweep
+from labrun.runs.sweepdir import Job, SweepDir, print_table, read_result
 
 POLL_S = 2.0
-# Config keys holding paths that a job, running elsewhere, must see as absolute paths.
-PATH_KEYS = ("paths.data_dir", "paths.raw_dir", "paths.processed_dir", "paths.scratch_dir",
-             "dataset.root", "dataset.path", "model.init_from", "checkpoint.resume")
+log = logging.getLogger(__name__)
+
 
 
 class SlurmLauncher(BaseSubmititLauncher):
@@ -81,7 +83,7 @@ class SlurmLauncher(BaseSubmititLauncher):
         snapshot = sweep_dir / ".code" / stamp if cluster.snapshot else None
         # One array per distinct resource request: a sweep over trainer.devices, say, asks
         # for different tasks and GPUs per node.
-        arrays: dict[str, list[sweep.Job]] = {}
+        arrays: dict[str, list[Job]] = {}
         for job in todo:
             make_paths_absolute(job.config, sweep_dir)
             params = executor_parameters(job.config.cluster, self.config, snapshot)
@@ -101,17 +103,17 @@ class SlurmLauncher(BaseSubmititLauncher):
                                                 [state] * len(group))
         for job, handle in zip(todo, submitted, strict=True):
             job.state, job.job_id, job.log = "submitted", handle.job_id, str(handle.paths.stdout)
-            print(f"job {job.num}: SLURM {handle.job_id}  log {handle.paths.stdout}", flush=True)
-        sweep.write_manifest(sweep_dir, "slurm", jobs, snapshot=str(snapshot or ""))
+            log.info("job %d: SLURM %s  log %s", job.num, handle.job_id, handle.paths.stdout)
+        SweepDir(sweep_dir).write_jobs("slurm", jobs, snapshot=str(snapshot or ""))
         if cluster.detach:
-            print(f"detached: {len(todo)} jobs submitted; see their state with: "
-                  f"labrun status {sweep_dir}", flush=True)
+            log.info("detached: %d jobs submitted; see their state with: labrun status %s",
+                     len(todo), sweep_dir)
             return [sweep.job_return(job) if job.state == "skipped" else
                     _detached_return(job) for job in jobs]
         self._wait(todo, submitted)
         return self._finish(jobs, sweep_dir)
 
-    def _wait(self, jobs: list[sweep.Job], handles: list[Any]) -> None:
+    def _wait(self, jobs: list[Job], handles: list[Any]) -> None:
         try:
             pending = dict(zip([j.num for j in jobs], handles, strict=True))
             while pending:
@@ -121,8 +123,8 @@ class SlurmLauncher(BaseSubmititLauncher):
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
             ids = [h.job_id for h in handles]
-            print(f"interrupted: cancelling the sweep's {len(ids)} jobs ({', '.join(ids)})",
-                  file=sys.stderr, flush=True)
+            log.warning("interrupted: cancelling the sweep's %d jobs (%s)", len(ids),
+                        ", ".join(ids))
             for handle in handles:
                 handle.cancel(check=False)
             for job in jobs:
@@ -132,11 +134,11 @@ class SlurmLauncher(BaseSubmititLauncher):
             job.state = "running"  # ended; read_result() tells how, from the job's own files
             job.error = failure_reason(handle)
 
-    def _finish(self, jobs: list[sweep.Job], sweep_dir: Path) -> list[JobReturn]:
+    def _finish(self, jobs: list[Job], sweep_dir: Path) -> list[JobReturn]:
         for job in jobs:
-            sweep.read_result(job)
-        sweep.write_manifest(sweep_dir, "slurm", jobs)
-        sweep.print_table(jobs, f"sweep {sweep_dir}")
+            read_result(job)
+        SweepDir(sweep_dir).write_jobs("slurm", jobs)
+        print_table(jobs, f"sweep {sweep_dir}")
         return [sweep.job_return(job) for job in jobs]
 
 
@@ -163,7 +165,7 @@ def failure_reason(handle: Any) -> str | None:
         return f"SLURM state {handle.state}{last_exception(Path(handle.paths.stderr))}"
     failure = getattr(result, "_return_value", None)
     if isinstance(failure, BaseException):
-        return f"{type(failure).__name__}: {str(failure).strip()[:200]}"
+        return f"{type(failure).__name__}: {one_line(failure)[:200]}"
     return None
 
 
@@ -177,7 +179,7 @@ def last_exception(stderr: Path) -> str:
     return f": {lines[-1][:200]}" if lines else ""
 
 
-def _detached_return(job: sweep.Job) -> JobReturn:
+def _detached_return(job: Job) -> JobReturn:
     from hydra.core.utils import JobStatus
 
     ret = JobReturn(overrides=job.overrides, cfg=job.config, working_dir=job.dir)
@@ -219,7 +221,9 @@ def make_paths_absolute(config: DictConfig, sweep_dir: Path) -> None:
     """Resolve path keys now, against the submission's working directory."""
     with open_dict(config):
         config.hydra.sweep.dir = str(sweep_dir)
-        for key in PATH_KEYS:
+        # Keys holding paths (the schema's `path` fact), which a job running elsewhere must
+        # see as absolute paths.
+        for key in facts.path_keys():
             value = OmegaConf.select(config, key, default=None, throw_on_missing=False)
             if key == "checkpoint.resume" and value in ("auto", "never"):
                 continue
@@ -253,30 +257,26 @@ class code_snapshot:  # noqa: N801 - used as a context manager, like submitit's 
 
 def partition_limits(partition: str | None) -> dict[str, int]:
     """The largest node of `partition` (the default one when None): cpus, mem_mb, gpus."""
-    if shutil.which("sinfo") is None:
-        raise LabrunError("sinfo not found: this machine is not a SLURM submit host; "
-                          "use cluster=local, or submit from a login node")
-    args = ["sinfo", "-h", "-N", "-o", "%P|%c|%m|%G"]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise LabrunError(f"sinfo failed: {out.stderr.strip()}; is the SLURM controller up?")
-    nodes: dict[str, list[tuple[int, int, int]]] = {}
+    try:
+        nodes = probes.slurm_nodes()
+    except probes.SlurmError as error:
+        if error.kind in ("missing", "unconfigured"):
+            raise LabrunError(f"{error}; use cluster=local, or submit from a login node"
+                              ) from None
+        raise LabrunError(f"{error}; is the SLURM controller up?") from None
+    by_partition: dict[str, list[probes.SlurmNode]] = {}
     default = None
-    for line in out.stdout.splitlines():
-        name, cpus, mem, gres = line.split("|")
-        if name.endswith("*"):
-            name = default = name[:-1]
-        # gpu:4, gpu:a100:4 or gpu:a100:4(S:0-1): the count is the last field before "(".
-        counts = [g.split("(")[0].rsplit(":", 1)[-1] for g in gres.split(",")
-                  if g.startswith("gpu")]
-        gpus = sum(int(c) for c in counts if c.isdigit())
-        nodes.setdefault(name, []).append((int(cpus), int(mem), gpus))
+    for node in nodes:
+        by_partition.setdefault(node.partition, []).append(node)
+        if node.default:
+            default = node.partition
     wanted = partition or default
-    if wanted not in nodes:
+    if wanted not in by_partition:
         raise ConfigError(f"cluster.partition={wanted} does not exist; partitions: "
-                          f"{', '.join(sorted(nodes)) or 'none'}")
-    cpus, mem, gpus = (max(values) for values in zip(*nodes[wanted], strict=True))
-    return {"partition": wanted, "cpus": cpus, "mem_mb": mem, "gpus": gpus}
+                          f"{', '.join(sorted(by_partition)) or 'none'}")
+    members = by_partition[wanted]
+    return {"partition": wanted, "cpus": max(n.cpus for n in members),
+            "mem_mb": max(n.mem_mb for n in members), "gpus": max(n.gpus for n in members)}
 
 
 def check_resources(cluster: DictConfig) -> None:

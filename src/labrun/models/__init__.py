@@ -1,4 +1,4 @@
-"""Model registry: torchvision classification models by name, plus small built-ins.
+"""Model registry: torchvision and timm classification models by name, plus small built-ins.
 
 Model configs name a factory with `_target_` and `_partial_: true`; `build()` adds the number of
 classes, which always comes from the dataset.
@@ -44,6 +44,18 @@ def torchvision_model(num_classes: int, name: str) -> nn.Module:
         raise ConfigError(f"model.name={name} is not a torchvision classification model; "
                           f"try one of: {', '.join(close or available[:6])}")
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def timm_model(num_classes: int, name: str, drop_rate: float = 0.0) -> nn.Module:
+    """Any timm model (`timm.list_models()`), randomly initialised: nothing is downloaded."""
+    import timm  # imported on use: timm imports slowly and most runs do not need it
+
+    if not timm.is_model(name):
+        close = timm.list_models(f"{name[:4]}*")[:6]
+        raise ConfigError(f"model.name={name} is not a timm model; try one of: "
+                          f"{', '.join(close or timm.list_models()[:6])}")
+    return timm.create_model(name, pretrained=False, num_classes=num_classes,
+                             drop_rate=drop_rate)
 
 
 def build(model_cfg: DictConfig, num_classes: int) -> nn.Module:

@@ -23,7 +23,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from labrun.core import probes
+
 SECRET_NAME = re.compile(r"(key|token|secret|password|passwd|credential)", re.IGNORECASE)
+
+
+# The files of a run's provenance/ folder (RunDir.provenance_dir).
+GIT, GIT_DIFF, PACKAGES = "git.json", "git.diff", "packages.txt"
+ENVIRONMENT, COMMAND = "environment.json", "command.json"
 
 
 def redact(arg: str) -> str:
@@ -84,7 +91,7 @@ def environment() -> dict[str, Any]:
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "driver": _nvidia_driver() if cuda else None,
+        "driver": probes.gpu_driver_version() if cuda else None,
         "slurm": {k: v for k, v in os.environ.items()
                   if k in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
                            "SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_NTASKS")},
@@ -92,28 +99,19 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def _nvidia_driver() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
-
-
 def write(folder: Path, overrides: list[str], project_dir: Path) -> dict[str, Any]:
     """Write provenance/ and return what W&B and the checkpoint also record."""
     folder.mkdir(parents=True, exist_ok=True)
     git = git_state(project_dir)
-    (folder / "git.json").write_text(json.dumps(git, indent=2) + "\n")
+    (folder / GIT).write_text(json.dumps(git, indent=2) + "\n")
     if git["dirty"]:
-        (folder / "git.diff").write_text(_git("diff", "HEAD", cwd=project_dir) or "")
-    (folder / "packages.txt").write_text("\n".join(installed_packages()) + "\n")
+        (folder / GIT_DIFF).write_text(_git("diff", "HEAD", cwd=project_dir) or "")
+    (folder / PACKAGES).write_text("\n".join(installed_packages()) + "\n")
     env = environment()
-    (folder / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
+    (folder / ENVIRONMENT).write_text(json.dumps(env, indent=2) + "\n")
     command = {"argv": [redact(a) for a in sys.argv], "executable": sys.executable,
                "cwd": os.getcwd(), "overrides": [redact(o) for o in overrides]}
-    (folder / "command.json").write_text(json.dumps(command, indent=2) + "\n")
+    (folder / COMMAND).write_text(json.dumps(command, indent=2) + "\n")
     return {"git_commit": git["commit"], "git_dirty": git["dirty"], "host": env["hostname"],
             "slurm_job_id": env["slurm"].get("SLURM_JOB_ID"), "torch": env["torch"],
             "cuda": env["cuda"]}

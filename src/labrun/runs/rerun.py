@@ -9,30 +9,26 @@ rerun:  reproduce a run from scratch in a new folder; prints the command (or run
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from labrun.core.errors import LabrunError
 from labrun.core.project import PROJECT_DIR
 from labrun.runs import provenance
+from labrun.runs.rundir import RunDir
+
+log = logging.getLogger(__name__)
 
 
-def configure(parser, name: str) -> None:
-    parser.add_argument("run_dir", type=Path, help="the run folder (outputs/DATE/TIME-XXXX)")
-    if name == "rerun":
-        parser.add_argument("--exec", action="store_true", help="run the command, too")
-    parser.add_argument("extra", nargs="*", help="more overrides, e.g. trainer.max_epochs=20")
 
 
 def saved_overrides(run_dir: Path) -> list[str]:
-    path = run_dir / ".hydra" / "overrides.yaml"
-    if not path.is_file():
+    overrides = RunDir(run_dir).overrides()
+    if overrides is None:
         raise LabrunError(f"{run_dir} is not a labrun run folder (no .hydra/overrides.yaml)")
-    overrides = yaml.safe_load(path.read_text()) or []
     # The folder is chosen again by the command; everything else is the run's own settings.
     return [o for o in overrides if not o.startswith(("hydra.run.dir=", "hydra.sweep."))]
 
@@ -40,7 +36,7 @@ def saved_overrides(run_dir: Path) -> list[str]:
 def train_command(run_dir: Path) -> tuple[list[str], Path]:
     """The interpreter and train.py that started the run, and the folder it started in, so
     relative paths in its config mean the same again (this project's, if not recorded)."""
-    command_file = run_dir / "provenance" / "command.json"
+    command_file = RunDir(run_dir).provenance_dir / provenance.COMMAND
     python, script, cwd = sys.executable, PROJECT_DIR / "train.py", PROJECT_DIR
     if command_file.is_file():
         recorded = json.loads(command_file.read_text())
@@ -57,7 +53,8 @@ def train_command(run_dir: Path) -> tuple[list[str], Path]:
 def differences(run_dir: Path) -> list[str]:
     """What differs between the recorded environment and this one, in words."""
     notes = []
-    git_file = run_dir / "provenance" / "git.json"
+    recorded_dir = RunDir(run_dir).provenance_dir
+    git_file = recorded_dir / provenance.GIT
     if git_file.is_file():
         recorded = json.loads(git_file.read_text())
         now = provenance.git_state(PROJECT_DIR)
@@ -65,8 +62,8 @@ def differences(run_dir: Path) -> list[str]:
             notes.append(f"git commit differs: run {recorded['commit'][:10]}, "
                          f"now {str(now['commit'])[:10]}")
         if recorded.get("dirty"):
-            notes.append(f"the run had uncommitted changes: {run_dir}/provenance/git.diff")
-    packages_file = run_dir / "provenance" / "packages.txt"
+            notes.append(f"the run had uncommitted changes: {recorded_dir / provenance.GIT_DIFF}")
+    packages_file = recorded_dir / provenance.PACKAGES
     if packages_file.is_file():
         recorded = set(packages_file.read_text().split())
         now = set(provenance.installed_packages())
@@ -77,18 +74,27 @@ def differences(run_dir: Path) -> list[str]:
     return notes
 
 
-def run(args) -> int:
-    run_dir = args.run_dir.resolve()
-    overrides = saved_overrides(run_dir) + list(args.extra)
+
+
+def resume(run_dir: Path, extra: list[str]) -> int:
+    """Continue the run in its own folder; the exit code of the training process."""
+    run_dir = run_dir.resolve()
     train, cwd = train_command(run_dir)
-    command = train + overrides
-    if args.command == "resume":
-        command.append(f"hydra.run.dir={run_dir}")
-        print("resuming:", shlex.join(command), flush=True)
-        return subprocess.call(command, cwd=cwd)
+    command = [*train, *saved_overrides(run_dir), *extra, f"hydra.run.dir={run_dir}"]
+    # The command goes to stdout, like rerun's: it is what this command produces.
+    print("resuming:", shlex.join(command), flush=True)
+    return subprocess.call(command, cwd=cwd)
+
+
+def rerun(run_dir: Path, extra: list[str], execute: bool = False) -> int:
+    """Print the command that reproduces the run (stdout: it can be piped into a shell), and
+    run it when `execute`."""
+    run_dir = run_dir.resolve()
+    train, cwd = train_command(run_dir)
+    command = [*train, *saved_overrides(run_dir), *extra]
     for note in differences(run_dir):
-        print(f"warning: {note}", file=sys.stderr)
-    print(shlex.join(command))
-    if args.exec:
+        log.warning("warning: %s", note)
+    print(shlex.join(command), flush=True)
+    if execute:
         return subprocess.call(command, cwd=cwd)
     return 0

@@ -9,6 +9,7 @@
       metrics.csv             logger=csv only
       checkpoints/            step-NNNNNNNN.pt, last.pt, best.pt (train.checkpoint owns them)
       provenance/             code and environment (runs.provenance owns it)
+      export/                 `labrun export`'s default output (deploy.export)
       errors/rank-N.txt       how a rank other than 0 failed
       ranks/rank-N.json       which process each rank was and the steps it took
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
 
 from labrun.core.files import read_jsonl, write_json_atomic, write_text_atomic
 
@@ -40,6 +42,11 @@ def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def is_metric_value(value: Any) -> bool:
+    """A value that counts as a metric: a finite number (not a bool, not null)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class RunDir:
@@ -100,6 +107,23 @@ class RunDir:
     def tensorboard_dir(self) -> Path:
         return self.path / "tensorboard"
 
+    @property
+    def export_dir(self) -> Path:
+        """Where `labrun export RUN_DIR` writes the exported model by default."""
+        return self.path / "export"
+
+    def checkpoint_path(self, which: str) -> Path:
+        """checkpoints/<which>.pt: "best", "last" or a step file's stem."""
+        return self.checkpoints_dir / f"{which}.pt"
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: str | Path) -> RunDir | None:
+        """The run folder a checkpoint file lies in (None: it lies outside a checkpoints/)."""
+        checkpoint = Path(checkpoint)
+        if checkpoint.parent.name != "checkpoints":
+            return None
+        return cls(checkpoint.parent.parent)
+
     def is_run(self) -> bool:
         """A folder a run has started in (Hydra saved its config, or it has a summary)."""
         return self.hydra_dir.is_dir() or self.summary_path.is_file()
@@ -157,6 +181,27 @@ class RunDir:
         if not self.config_path.is_file():
             return None
         return yaml.safe_load(self.config_path.read_text()) or {}
+
+    def saved_config_node(self) -> DictConfig | None:
+        """The saved config as OmegaConf reads it (YAML 1.2 numbers such as 1e-3 are floats, as
+        in a composed config), for comparing with one; None when there is none."""
+        if not self.config_path.is_file():
+            return None
+        return OmegaConf.load(self.config_path)
+
+    def try_overrides(self) -> list[str] | None:
+        """overrides(), or None when the file is unreadable (a folder copied half-way)."""
+        try:
+            return self.overrides()
+        except (OSError, yaml.YAMLError):
+            return None
+
+    def try_saved_config(self) -> dict[str, Any] | None:
+        """saved_config(), or None when the file is unreadable."""
+        try:
+            return self.saved_config()
+        except (OSError, yaml.YAMLError):
+            return None
 
     # -- per-rank records --------------------------------------------------------------------
     def clear_rank_errors(self) -> None:

@@ -11,11 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from labrun.launch import sweep
-
-
-def configure(parser) -> None:
-    parser.add_argument("sweep_dir", type=Path, help="the sweep folder (multirun/DATE/TIME-XXXX)")
+from labrun.runs.sweepdir import SweepDir, print_table, read_result
 
 
 def slurm_states(job_ids: list[str]) -> dict[str, str]:
@@ -31,17 +27,18 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
     return states
 
 
-def run(args) -> int:
-    manifest = sweep.read_manifest(args.sweep_dir)
+def show(sweep_dir: Path) -> None:
+    """Print the table of the sweep's jobs as they are now."""
+    manifest = SweepDir(sweep_dir).read_jobs()
     jobs = manifest["jobs"]
     scheduler = {}
     if manifest["backend"] == "slurm":
         scheduler = slurm_states([job.job_id for job in jobs if job.job_id])
     for job in jobs:
-        summary = sweep.read_summary(job.path)
+        summary = job.run_dir.read_summary()
         slurm = scheduler.get(job.job_id or "", "").lower()
         if summary.get("status") in ("completed", "failed", "interrupted"):
-            sweep.read_result(job)
+            read_result(job)
         elif summary.get("status") == "running" and slurm in ("", "running", "requeued"):
             job.state = "running"  # its summary says so, and SLURM does not contradict it
             job.metric = summary.get(f"best/{summary.get('monitor', 'val/acc')}")
@@ -49,5 +46,4 @@ def run(args) -> int:
             job.state = slurm  # pending, or ended without a result (failed, cancelled, timeout)
         if summary.get("requeued"):  # preempted or its node failed, then resumed
             job.state = f"{job.state} (requeued {summary['requeued']}x)"
-    sweep.print_table(jobs, f"sweep {args.sweep_dir.resolve()} ({manifest['backend']})")
-    return 0
+    print_table(jobs, f"sweep {sweep_dir.resolve()} ({manifest['backend']})")

@@ -3,19 +3,39 @@
 The run folder always gets metrics.jsonl (one JSON object per logged point) and summary.json
 (status, last and best values), whatever `logger=` says. Backends implement the small Tracker
 interface: `log(metrics, step)` and `finish(status, summary)`.
+
+`logger._target_` names the backend's class. Its constructor takes, by name, any of the logger
+section's keys (`project`, `tags`...) and of `run_dir` (the run folder) and `run` (RunInfo:
+the whole config, the sweep, provenance, the W&B id to resume); it takes only what it needs.
 """
 
 from __future__ import annotations
 
 import csv
-import os
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
+from labrun.core import probes
 from labrun.core.errors import one_line
+from labrun.data import call_target
 from labrun.runs.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunInfo:
+    """What a logger backend may want to know about the run beyond its own config section."""
+
+    cfg: DictConfig  # the whole composed config
+    resume_id: str | None = None  # the W&B run to continue (from the checkpoint)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    # {"dir": sweep folder, "overrides": [...], "experiment": name or None} from Hydra
+    sweep: dict[str, Any] = field(default_factory=dict)
 
 # ---------------------------------------------------------------------------------------------
 # Logger backends
@@ -87,21 +107,32 @@ class WandbTracker:
     then the run goes on with its local files.
     """
 
-    def __init__(self, logger: DictConfig, run_dir: Path, *, config: dict[str, Any],
-                 group: str | None, job_type: str, tags: list[str], resume_id: str | None):
+    def __init__(self, run_dir: Path, run: RunInfo, project: str, entity: str | None = None,
+                 mode: str = "auto", group: str | None = None, tags: list[str] | None = None):
         self.run = None
-        self.run_id = resume_id
-        mode = wandb_mode(logger.mode)
+        self.run_id = run.resume_id
+        mode = wandb_mode(mode)
         if mode == "disabled":
             return
+        from labrun.runs.provenance import redact, redact_tree
+
+        config = redact_tree(OmegaConf.to_container(run.cfg, resolve=True))
+        config["overrides"] = [redact(o) for o in run.sweep.get("overrides", [])]
+        config["provenance"] = run.provenance
+        if group is None and run.sweep.get("dir"):
+            sweep_dir = Path(run.sweep["dir"])
+            group = f"{sweep_dir.parent.name}_{sweep_dir.name}"
+        tags = list(tags or [])
+        if run.sweep.get("experiment"):
+            tags.append(run.sweep["experiment"])
         try:
             import wandb
 
             self.run = wandb.init(
-                project=logger.project, entity=logger.entity, dir=str(run_dir), mode=mode,
-                config=config, group=group, job_type=job_type, tags=tags,
-                name=f"{run_dir.parent.name}/{run_dir.name}",
-                id=resume_id, resume="allow",
+                project=project, entity=entity, dir=str(run_dir), mode=mode,
+                config=config, group=group, job_type="sweep" if run.sweep.get("dir") else "run",
+                tags=sorted(set(tags)), name=f"{run_dir.parent.name}/{run_dir.name}",
+                id=run.resume_id, resume="allow",
                 # labrun prints its own progress; W&B's banners would only repeat it.
                 settings=wandb.Settings(silent=True))
         except Exception as error:  # noqa: BLE001 - any W&B failure must not stop training
@@ -109,8 +140,9 @@ class WandbTracker:
             return
         self.run_id = self.run.id
         if mode == "offline":
-            print(f"W&B offline: the run is saved in {self.run.dir.rsplit('/files', 1)[0]}; "
-                  f"upload it with: wandb sync {self.run.dir.rsplit('/files', 1)[0]}", flush=True)
+            saved = self.run.dir.rsplit("/files", 1)[0]
+            log.info(f"W&B offline: the run is saved in {saved}; upload it with: "
+                     f"wandb sync {saved}")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.run is None:
@@ -132,35 +164,14 @@ class WandbTracker:
         self.run = None
 
 
-def wandb_host() -> str:
-    """The W&B server's host name, as ~/.netrc names it."""
-    url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-    return url.split("://")[-1].split("/")[0].split(":")[0]
-
-
-def wandb_logged_in() -> bool:
-    """An API key in the environment or in ~/.netrc, where `wandb login` puts it."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    import netrc
-
-    host = wandb_host()
-    try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        return False
-
-
 def wandb_mode(mode: str) -> str:
     if mode == "auto":
-        return "online" if wandb_logged_in() else "offline"
+        return "online" if probes.wandb_login().logged_in else "offline"
     return mode
 
 
 def _warn(message: str) -> None:
-    import sys
-
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    log.warning(message)  # the console handler shows it as "warning: ..." on stderr
 
 
 class TensorBoardTracker:
@@ -189,30 +200,11 @@ class TensorBoardTracker:
 def build(cfg: DictConfig, run_dir: Path, *, is_main: bool, resume_id: str | None = None,
           provenance: dict[str, Any] | None = None, sweep: dict[str, Any] | None = None
           ) -> Tracker:
-    """The backend `logger.name` asks for (rank 0 only).
+    """The backend `logger._target_` names (rank 0 only; the others log nothing).
 
     `sweep` is {"dir": sweep folder, "overrides": [...], "experiment": name or None} from Hydra.
     """
-    name = cfg.logger.name
-    if not is_main or name == "none":
+    if not is_main:
         return NoTracker()
-    if name == "csv":
-        return CSVTracker(run_dir)
-    if name == "tensorboard":
-        return TensorBoardTracker(run_dir)
-    sweep = sweep or {}
-    from labrun.runs.provenance import redact, redact_tree
-
-    config = redact_tree(OmegaConf.to_container(cfg, resolve=True))
-    config["overrides"] = [redact(o) for o in sweep.get("overrides", [])]
-    config["provenance"] = provenance or {}
-    group = cfg.logger.group
-    if group is None and sweep.get("dir"):
-        sweep_dir = Path(sweep["dir"])
-        group = f"{sweep_dir.parent.name}_{sweep_dir.name}"
-    tags = list(cfg.logger.tags)
-    if sweep.get("experiment"):
-        tags.append(sweep["experiment"])
-    return WandbTracker(cfg.logger, run_dir, config=config, group=group,
-                        job_type="sweep" if sweep.get("dir") else "run",
-                        tags=sorted(set(tags)), resume_id=resume_id)
+    run = RunInfo(cfg, resume_id=resume_id, provenance=provenance or {}, sweep=sweep or {})
+    return call_target(cfg.logger, run_dir=Path(run_dir), run=run)

@@ -7,8 +7,8 @@ Layout of a run's checkpoints/ folder (after timm's CheckpointSaver):
 
 Every file is written to a temporary name, flushed to disk and renamed, so a file that exists
 under its final name is never half-written, even if the process is killed mid-save. Checkpoints
-are plain dicts of tensors and numbers, loaded with `weights_only=True`: nothing here unpickles
-arbitrary objects.
+are plain dicts of tensors and numbers (CheckpointState lists every key), loaded with
+`weights_only=True`: nothing here unpickles arbitrary objects.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import random
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -34,7 +34,44 @@ class CheckpointError(LabrunError):
     """A checkpoint could not be written or read; the message names the file and the fix."""
 
 
-def load(path: str | Path) -> dict[str, Any]:
+class DataPosition(TypedDict):
+    epoch: int  # the epoch in progress
+    position: int  # samples of its order this rank has trained on
+    micro_batch_size: int  # what fitted in memory (trainer.micro_batch_size=auto)
+
+
+class LogWindow(TypedDict):
+    loss: torch.Tensor  # summed train loss of the steps since the last logged point
+    steps: int
+
+
+class _AddedLater(TypedDict, total=False):
+    """Keys absent from checkpoints written before labrun kept them."""
+
+    log_window: LogWindow
+    callbacks: dict[str, dict[str, Any]]  # each callback's state_dict(), by name
+
+
+class CheckpointState(_AddedLater):
+    """Everything in a checkpoint file: what a run needs to continue exactly, and what export
+    and `labrun compare` read without the config files. Built by Trainer.state_dict() only."""
+
+    model: dict[str, torch.Tensor]  # the plain module's state dict (no DDP/compile prefix)
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any]  # fp16's GradScaler (disabled, and empty, otherwise)
+    epoch: int  # epochs done
+    step: int  # optimizer steps done
+    rng: dict[str, Any]  # rng_state()
+    data: DataPosition
+    best: float | None  # best value of checkpoint.monitor so far
+    wandb_run_id: str | None  # the W&B run a resumed run continues
+    config: dict[str, Any]  # the resolved config of the run
+    class_names: list[str]
+    labrun_version: str
+
+
+def load(path: str | Path) -> CheckpointState:
     """Load a checkpoint safely; a file that is not a labrun checkpoint raises CheckpointError."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -49,7 +86,7 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from error
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path}: not a labrun checkpoint (no 'model' entry)")
-    return state
+    return state  # type: ignore[return-value]  # a labrun checkpoint: the keys above
 
 
 class CheckpointManager:
@@ -69,7 +106,7 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------
 
-    def save(self, state: dict[str, Any], step: int, is_best: bool = False) -> Path:
+    def save(self, state: CheckpointState, step: int, is_best: bool = False) -> Path:
         """Write step-NNNNNNNN.pt, point last.pt (and best.pt if `is_best`) at it, prune."""
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{step:08d}.pt"
@@ -80,7 +117,7 @@ class CheckpointManager:
         self._prune()
         return path
 
-    def _write_atomic(self, state: dict[str, Any], path: Path) -> None:
+    def _write_atomic(self, state: CheckpointState, path: Path) -> None:
         tmp = path.with_name(f".{path.name}.tmp")
         try:
             with open(tmp, "wb") as f:
@@ -124,7 +161,7 @@ class CheckpointManager:
         history = self.history()
         return history[-1] if history else None
 
-    def load_latest_valid(self) -> tuple[Path, dict[str, Any]] | None:
+    def load_latest_valid(self) -> tuple[Path, CheckpointState] | None:
         """The newest checkpoint that loads; unreadable ones are named and skipped.
 
         Returns None when the folder holds no checkpoint at all; raises when it holds some but

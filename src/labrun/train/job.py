@@ -1,11 +1,12 @@
 """One training run, from a composed config to the objective a sweeper optimises.
 
     cfg -> validate -> distributed.setup -> data.build -> models.build
-        -> TrainingSession(...).fit() -> best value of checkpoint.monitor
+        -> Trainer(...).fit() -> best value of checkpoint.monitor
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from pathlib import Path
@@ -18,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from labrun import data, models
+from labrun.config import facts
 from labrun.config import schema as config
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.core.project import PROJECT_DIR
@@ -27,13 +29,12 @@ from labrun.track import loggers as tracking
 from labrun.train import distributed
 from labrun.train.checkpoint import CheckpointManager
 from labrun.train.checkpoint import load as load_checkpoint
-from labrun.train.trainer import RunInterrupted, TrainingSession
+from labrun.train.trainer import RunInterrupted, Trainer
 
-# Keys that may differ between a run and its resumption without changing the result.
-RESUME_SAFE_KEYS = ("trainer.max_epochs", "trainer.progress", "trainer.log_every_n_steps",
-                    "trainer.limit_val_batches", "trainer.micro_batch_size", "dataset.num_workers",
-                    "checkpoint.resume", "checkpoint.every_n_steps", "checkpoint.keep_last",
-                    "logger", "paths", "cluster", "dataset.path", "dataset.root")
+log = logging.getLogger(__name__)
+
+# A checkpoint written by an older labrun names a few targets by their old module.
+MOVED_TARGETS = {"labrun.schedules.": "labrun.train.schedules."}
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -103,13 +104,12 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     recorded = {}
     if dist.is_main:
         recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR)
-    session = TrainingSession(cfg, dataset, model, folder=folder, checkpoints=checkpoints,
-                              dist=dist)
+    trainer = Trainer(cfg, dataset, model, folder=folder, checkpoints=checkpoints, dist=dist)
     # Built last, right before fit(), whose `finally` always closes it (wandb.finish()).
     tracker = tracking.build(cfg, run_dir, is_main=dist.is_main,
                              resume_id=resume.get("wandb_run_id") if resume else None,
                              provenance=recorded, sweep=launch["sweep"])
-    return session.fit(tracker, resume)
+    return trainer.fit(tracker, resume)
 
 
 def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
@@ -137,8 +137,8 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
     model.load_state_dict(usable, strict=False)
     skipped = sorted(set(own) - set(usable))
     if skipped:
-        print(f"model.init_from: {len(usable)} tensors loaded, {len(skipped)} left as "
-              f"initialised ({', '.join(skipped[:4])}{'...' if len(skipped) > 4 else ''})")
+        log.info(f"model.init_from: {len(usable)} tensors loaded, {len(skipped)} left as "
+                 f"initialised ({', '.join(skipped[:4])}{'...' if len(skipped) > 4 else ''})")
 
 
 def find_resume_state(cfg: DictConfig, checkpoints: CheckpointManager) -> dict[str, Any] | None:
@@ -152,28 +152,32 @@ def find_resume_state(cfg: DictConfig, checkpoints: CheckpointManager) -> dict[s
         path, state = found
     else:
         path, state = Path(choice), load_checkpoint(choice)
-    changed = changed_keys(state.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
+    saved = with_newer_keys(state.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
+    changed = facts.changed_keys(saved, OmegaConf.to_container(cfg, resolve=True),
+                                 ignore_resume_safe=True)
     if changed:
         raise ConfigError(
             f"cannot resume from {path}: the config differs in {', '.join(changed[:8])}; "
             f"use the same settings, or checkpoint.resume=never in a new folder")
-    print(f"resuming from {path} (step {state['step']})")
+    log.info(f"resuming from {path} (step {state['step']})")
     return state
 
 
-def changed_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ, ignoring RESUME_SAFE_KEYS."""
-    changed = []
-    for key in sorted(set(old) | set(new)):
-        dotted = f"{prefix}{key}"
-        if any(dotted == safe or dotted.startswith(safe + ".") for safe in RESUME_SAFE_KEYS):
-            continue
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changed += changed_keys(a, b, dotted + ".")
-        elif a != b:
-            changed.append(dotted)
-    return changed
+def with_newer_keys(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """The saved config as this labrun reads it: a key it lacks was added by a later labrun
+    (the task and callbacks groups, `_target_` of dataset and logger), with the value that
+    reproduces what the older code did, which is the current one; moved targets are renamed."""
+    upgraded = dict(saved)
+    for name, value in current.items():
+        if name not in saved:
+            upgraded[name] = value
+        elif isinstance(saved[name], dict) and isinstance(value, dict):
+            upgraded[name] = with_newer_keys(saved[name], value)
+        elif name == "_target_" and isinstance(saved[name], str):
+            for old, new in MOVED_TARGETS.items():
+                if saved[name].startswith(old):
+                    upgraded[name] = new + saved[name][len(old):]
+    return upgraded
 
 
 def hydra_overrides() -> list[str]:

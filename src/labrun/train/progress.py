@@ -1,13 +1,43 @@
 """What a person watching a run sees: a rich progress bar on a terminal, plain periodic log
-lines elsewhere (SLURM output files, CI logs)."""
+lines elsewhere (SLURM output files, CI logs).
+
+Everything but the bar goes through `logging`, so Hydra's train.log in the run folder keeps it
+too; the console handler (track/console.py) writes it with rich on a terminal.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
-from rich.console import Console
+import rich
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+log = logging.getLogger(__name__)
+
+
+class StepWindow:
+    """What happened since the last logged point: for loss, images/s and data-wait fraction."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.wait = 0.0
+        self.steps = 0
+        self.samples = 0
+        self.loss = torch.zeros((), device=self.device)
+
+    def metrics(self, lr: float) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        # Each step's loss is already the mean over ranks (Trainer.train_step).
+        return {"train/loss": self.loss.item() / max(self.steps, 1), "train/lr": lr,
+                "perf/images_per_s": self.samples / elapsed,
+                "perf/data_wait_frac": self.wait / elapsed}
 
 
 def _format(metrics: dict[str, float]) -> str:
@@ -33,7 +63,8 @@ class ProgressReporter:
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "log"
         self.mode = mode if enabled else "none"
-        self.console = Console()
+        # The console rich's log handler writes to: log lines print above the bar.
+        self.console = rich.get_console()
         self.bar: Progress | None = None
         self.task = None
         self.started = time.time()
@@ -54,7 +85,7 @@ class ProgressReporter:
             fields = {"metrics": _format(metrics)} if metrics else {}
             self.bar.update(self.task, completed=done, **fields)
         elif self.mode == "log" and metrics:
-            print(f"{self.epoch_label} step {step}  {_format(metrics)}", flush=True)
+            log.info(f"{self.epoch_label} step {step}  {_format(metrics)}")
 
     def end_epoch(self, metrics: dict[str, float], best: float | None, monitor: str) -> None:
         if self.bar is not None:
@@ -62,12 +93,11 @@ class ProgressReporter:
             self.bar = None
         if self.mode != "none":
             best_text = f"  (best {monitor} {best:.4f})" if best is not None else ""
-            self.console.print(f"{self.epoch_label}: {_format(metrics)}{best_text}",
-                               highlight=False, soft_wrap=True)
+            log.info(f"{self.epoch_label}: {_format(metrics)}{best_text}")
 
     def message(self, text: str) -> None:
         if self.mode != "none":
-            self.console.print(text, highlight=False, soft_wrap=True)
+            log.info(text)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,7 +1,9 @@
-"""The built-in task: image classification (loss and metrics).
+"""The built-in task: image classification (loss and metrics), chosen by conf/task/.
 
-A lab adding another task writes a module like this one: a training loss, and the sums an
-evaluation adds up over batches (summed, so they reduce across ranks by a plain all-reduce).
+A task is any class with the three methods and `num_sums` of Classification; a lab adding
+another task writes one like it and a conf/task/NAME.yaml naming it with `_target_`. The evaluation adds up
+per-batch sums (summed, so they reduce across ranks by a plain all-reduce) and turns the
+totals into metrics once at the end.
 """
 
 from __future__ import annotations
@@ -10,26 +12,31 @@ import torch
 import torch.nn.functional as F
 
 
-def training_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, labels)
+class Classification:
+    """Cross-entropy training; val/loss, val/acc (top-1) and val/acc5 (top-5)."""
 
+    # The length of eval_sums' vector: a rank that gets no evaluation batch still all-reduces a
+    # vector of this shape with the others (zeros), and an empty split still gives metrics.
+    num_sums = 4
 
-def eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[summed loss, top-1 correct, top-5 correct, count] of one batch, as float32 (MPS has
-    no float64); the caller adds them up in float64 on the CPU."""
-    k = min(5, logits.shape[1])
-    top = logits.topk(k, dim=1).indices
-    hits = top.eq(labels[:, None])
-    return torch.stack([
-        F.cross_entropy(logits.float(), labels, reduction="sum"),
-        hits[:, 0].sum().float(),
-        hits.any(dim=1).sum().float(),
-        torch.tensor(float(len(labels)), device=logits.device),
-    ])
+    def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, labels)
 
+    def eval_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[summed loss, top-1 correct, top-5 correct, count] of one batch, as float32 (MPS
+        has no float64); the caller adds them up in float64 on the CPU."""
+        k = min(5, logits.shape[1])
+        top = logits.topk(k, dim=1).indices
+        hits = top.eq(labels[:, None])
+        return torch.stack([
+            F.cross_entropy(logits.float(), labels, reduction="sum"),
+            hits[:, 0].sum().float(),
+            hits.any(dim=1).sum().float(),
+            torch.tensor(float(len(labels)), device=logits.device),
+        ])
 
-def eval_metrics(sums: torch.Tensor, split: str) -> dict[str, float]:
-    loss, top1, top5, count = sums.tolist()
-    count = max(count, 1.0)
-    return {f"{split}/loss": loss / count, f"{split}/acc": top1 / count,
-            f"{split}/acc5": top5 / count}
+    def eval_metrics(self, sums: torch.Tensor, split: str) -> dict[str, float]:
+        loss, top1, top5, count = sums.tolist()
+        count = max(count, 1.0)
+        return {f"{split}/loss": loss / count, f"{split}/acc": top1 / count,
+                f"{split}/acc5": top5 / count}

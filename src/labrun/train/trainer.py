@@ -1,4 +1,4 @@
-"""TrainingSession: the training and evaluation loop, readable top to bottom.
+"""Trainer: the training and evaluation loop, readable top to bottom.
 
     fit()          epochs of train_epoch() + evaluate("val"), a checkpoint after each, then the
                    best checkpoint on the test split when there is one
@@ -9,20 +9,16 @@ A step counts optimizer steps. Batches arrive as uint8 and are turned into norma
 on the device. Everything needed to continue exactly (weights, optimizer, schedule, scaler,
 RNG states, position in the epoch's sample order) is in the checkpoint.
 
-One concern, the loop, in one file of about 460 lines: its parts (AMP, accumulation, DDP, stop
-signals, the log window) share the session's state step by step, and split apart they would be
-read side by side anyway. The checkpoint format (checkpoint.py) and the run folder's files
-(tracking.py) live with their owners.
+The loop's parts live with their owners: mixed precision (precision.py), stop signals
+(stop_signals.py), the checkpoint format (checkpoint.py), the run folder (runs/rundir.py), the
+loss and metrics (the `task` config group) and the callbacks (the `callbacks` group).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import threading
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -38,11 +34,13 @@ from labrun.data.transforms import BatchNormalizer
 from labrun.models import unwrap
 from labrun.runs.rundir import RunDir
 from labrun.track.loggers import NoTracker, Tracker
+from labrun.train import callbacks as callback_registry
 from labrun.train import checkpoint as ckpt
-from labrun.train.checkpoint import CheckpointManager
+from labrun.train.checkpoint import CheckpointManager, CheckpointState
 from labrun.train.distributed import Distributed, all_reduce_sum
-from labrun.train.progress import ProgressReporter
-from labrun.train.task import eval_metrics, eval_sums, training_loss
+from labrun.train.precision import Precision
+from labrun.train.progress import ProgressReporter, StepWindow
+from labrun.train.stop_signals import StopSignals
 
 
 class RunInterrupted(LabrunError):
@@ -53,34 +51,18 @@ class NonFiniteLoss(LabrunError):
     """The loss became NaN or infinite and trainer.nan_policy=stop."""
 
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class _Window:
-    """What happened since the last logged point: for loss, images/s and data-wait fraction."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        self.start = time.perf_counter()
-        self.wait = 0.0
-        self.steps = 0
-        self.samples = 0
-        self.loss = torch.zeros((), device=self.device)
-
-
-class TrainingSession:
+class Trainer:
     def __init__(self, cfg: DictConfig, data: Data, model: nn.Module, *, folder: RunDir,
                  checkpoints: CheckpointManager, dist: Distributed):
         trainer = cfg.trainer
         self.cfg, self.data, self.folder = cfg, data, folder
         self.tracker: Tracker = NoTracker()
-        self.window = _Window(torch.device("cpu"))  # the current epoch's, once training
-        self._resumed_window: _Window | None = None
+        self.window = StepWindow(torch.device("cpu"))  # the current epoch's, once training
+        self._resumed_window: StepWindow | None = None
         self.checkpoints, self.dist, self.device = checkpoints, dist, dist.device
         self.progress = ProgressReporter(trainer.progress, enabled=dist.is_main)
+        self.task = instantiate(cfg.task)  # loss and metrics
+        self.callbacks = callback_registry.build(cfg.get("callbacks"))
 
         # Batch sizes: batch_size is global; each process takes micro-batches and accumulates.
         self.per_rank_batch = trainer.batch_size // dist.world_size
@@ -107,30 +89,22 @@ class TrainingSession:
         self.scheduler = instantiate(cfg.schedule)(
             self.optimizer, steps_per_epoch=self.steps_per_epoch, max_epochs=trainer.max_epochs)
 
-        # Mixed precision: autocast for bf16 and fp16, a GradScaler for fp16 only.
-        self.autocast_dtype = AUTOCAST_DTYPES[cfg.precision.name]
-        if self.autocast_dtype is torch.float16 and self.device.type == "cpu":
-            if not _cpu_autocast_supports(torch.float16):
-                warnings.warn("precision=fp16: CPU autocast does not support float16 here; "
-                              "running bf16 instead", stacklevel=2)
-                self.autocast_dtype = torch.bfloat16
-        self.scaler = torch.amp.GradScaler(
-            self.device.type, init_scale=cfg.precision.init_scale,
-            enabled=self.autocast_dtype is torch.float16)
+        self.precision = Precision(cfg.precision.name, self.device, cfg.precision.init_scale)
+        self.scaler, self.autocast = self.precision.scaler, self.precision.autocast
 
         shape = (1, -1, 1, 1)
         # Each step is done with its batch before the next arrives: the buffer can be reused.
         self.normalize = BatchNormalizer(
-            torch.tensor(list(cfg.dataset.mean), device=self.device).view(shape),
-            torch.tensor(list(cfg.dataset.std), device=self.device).view(shape))
+            torch.tensor(list(data.cfg.mean), device=self.device).view(shape),
+            torch.tensor(list(data.cfg.std), device=self.device).view(shape))
 
         self.epoch = 0  # the epoch in progress (0-based)
         self.position = 0  # samples of this epoch's order already trained on, on this rank
         self.step = 0  # optimizer steps so far
         self.steps_taken = 0  # optimizer steps this process took itself (ranks/rank-N.json)
         self.best: float | None = None
-        self.stop_signal: int | None = None
-        self._requeue_handler = None
+        self.signals = StopSignals()
+        self.stop_reason: str | None = None  # a callback ended training early (request_stop)
         self._eval_loaders: dict[str, Any] = {}
 
     # -- the loop ------------------------------------------------------------------------------
@@ -143,23 +117,29 @@ class TrainingSession:
         if resume is not None:
             self.load_state_dict(resume)
             self.progress.message(f"resumed at epoch {self.epoch + 1}, step {self.step}")
+        self._call("on_fit_start")
         resumed_from = self.step
+        self.folder.summary.pop("stopped_early", None)  # set again below if it still holds
         self.folder.update_summary(status="running", error=None, epoch=self.epoch, step=self.step,
                                    monitor=monitor, ended_at=None,
                                    started_at=self.folder.summary.get("started_at") or time.time(),
                                    # SLURM's count of this job's requeues (preemption, node
                                    # failure), for `labrun status`.
                                    requeued=int(os.environ.get("SLURM_RESTART_COUNT", "0")))
-        restore_signals = self._catch_stop_signals()
+        restore_signals = self.signals.catch()
         status, error = "failed", None
         try:
-            while self.epoch < trainer.max_epochs:
+            while self.epoch < trainer.max_epochs and self.stop_reason is None:
                 self.train_epoch()
                 val = self.evaluate("val")
                 self.epoch, self.position = self.epoch + 1, 0
+                self._call("on_epoch_end", val)  # before the checkpoint, which keeps its state
                 self.end_epoch(val)
-                if self._stop_requested():
+                if self.signals.agreed(self.dist.enabled, self.device):
                     self._stop_if_signalled()
+            if self.stop_reason is not None:
+                self.progress.message(f"stopped early: {self.stop_reason}")
+                self.folder.update_summary(stopped_early=self.stop_reason)
             if "test" in self.data.splits:
                 self.test_best()
             status = "completed"
@@ -171,11 +151,12 @@ class TrainingSession:
             raise
         except BaseException as exc:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-            error = _one_line(exc)
+            error = f"{type(exc).__name__}: {one_line(exc)}"[:500]
             raise
         finally:
             restore_signals()
             self.progress.close()
+            self._call("on_fit_end", status)
             self.folder.update_summary(status=status, error=error, epoch=self.epoch,
                                        step=self.step, ended_at=time.time())
             self.tracker.finish(status, self.folder.summary)
@@ -191,7 +172,7 @@ class TrainingSession:
                                   done)
         # A run resumed mid-window carries on the checkpoint's window, so that its next logged
         # train/loss averages the same steps as an uninterrupted run's.
-        window = self.window = self._resumed_window or _Window(self.device)
+        window = self.window = self._resumed_window or StepWindow(self.device)
         self._resumed_window = None
         every_n = self.cfg.checkpoint.every_n_steps
         while done < self.steps_per_epoch:
@@ -206,19 +187,20 @@ class TrainingSession:
             self.step += 1
             self.position += self.per_rank_batch
             if self.step % self.cfg.trainer.log_every_n_steps == 0 or done == self.steps_per_epoch:
-                metrics = self._window_metrics(window)
+                metrics = window.metrics(self.optimizer.param_groups[0]["lr"])
                 self.log(metrics)
                 self.progress.update(done, self.step, metrics)
                 window.reset()
             else:
                 self.progress.update(done, self.step)
+            self._call("on_step_end")
             if every_n and self.step % every_n == 0 and done < self.steps_per_epoch:
                 self.save_checkpoint()
-            if self._stop_requested():
+            if self.signals.agreed(self.dist.enabled, self.device):
                 self.save_checkpoint()
                 self._stop_if_signalled()
 
-    def train_step(self, batches, window: _Window) -> None:
+    def train_step(self, batches, window: StepWindow) -> None:
         accumulation = self.per_rank_batch // self.micro
         step_loss = torch.zeros((), device=self.device)
         for micro_step in range(accumulation):
@@ -231,7 +213,7 @@ class TrainingSession:
             sync = contextlib.nullcontext() if last or not self.dist.enabled else self.net.no_sync()
             with sync, self.autocast():
                 # Dividing by the accumulation makes k micro-batches of b equal one batch of k*b.
-                loss = training_loss(self.net(images), labels) / accumulation
+                loss = self.task.training_loss(self.net(images), labels) / accumulation
             self.scaler.scale(loss).backward()
             step_loss += loss.detach()
         if self.dist.enabled:  # every rank must take the same decision below
@@ -257,16 +239,16 @@ class TrainingSession:
         self.model.eval()
         loader = self._eval_loader(split)
         limit = self.cfg.trainer.limit_val_batches
-        sums = torch.zeros(4, dtype=torch.float64)
+        sums = torch.zeros(self.task.num_sums, dtype=torch.float64)
         for index, (images, labels) in enumerate(loader):
             if limit and index >= limit:
                 break
             images, labels = self.to_device(images, labels)
             with self.autocast():
                 logits = self.model(images)
-            sums += eval_sums(logits.float(), labels).cpu().double()
+            sums = sums + self.task.eval_sums(logits.float(), labels).cpu().double()
         sums = all_reduce_sum(sums.to(self.device) if self.dist.enabled else sums).cpu()
-        return eval_metrics(sums, split)
+        return self.task.eval_metrics(sums, split)
 
     def end_epoch(self, val: dict[str, float]) -> None:
         monitor = self.cfg.checkpoint.monitor
@@ -307,24 +289,19 @@ class TrainingSession:
         return (images.contiguous(memory_format=self.memory_format),
                 labels.to(self.device, non_blocking=non_blocking))
 
-    def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+    def request_stop(self, reason: str) -> None:
+        """For callbacks: end training after this epoch, as completed, saying why."""
+        self.stop_reason = reason
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks.values():
+            getattr(callback, hook)(self, *args)
 
     def log(self, metrics: dict[str, float]) -> None:
         self.folder.log_metrics(metrics, self.step, self.epoch)
         if self.dist.is_main:
             self.folder.summary.update(metrics)
         self.tracker.log(metrics, self.step)
-
-    def _window_metrics(self, window: _Window) -> dict[str, float]:
-        elapsed = max(time.perf_counter() - window.start, 1e-9)
-        # Each step's loss is already the mean over ranks (train_step), the same on every rank.
-        return {"train/loss": window.loss.item() / max(window.steps, 1),
-                "train/lr": self.optimizer.param_groups[0]["lr"],
-                "perf/images_per_s": window.samples / elapsed,
-                "perf/data_wait_frac": window.wait / elapsed}
 
     def _train_loader(self):
         return self.data.loader("train", micro_batch_size=self.micro, seed=self.cfg.seed,
@@ -362,50 +339,13 @@ class TrainingSession:
                             f"{self.epoch + 1}){kept}; lower optimizer.lr, use precision=fp32 "
                             f"or trainer.grad_clip, or trainer.nan_policy=skip")
 
-    # -- stop signals --------------------------------------------------------------------------
-
-    def _catch_stop_signals(self):
-        """SIGTERM, SIGINT and SIGUSR2 (SLURM's warning before a time limit or a preemption)
-        ask for a checkpoint at the next step boundary; a second SIGINT aborts at once.
-
-        A USR2 handler that was already there (submitit's: it requeues the job) runs after
-        that checkpoint, so the requeued job resumes from it.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT,
-                                                     signal.SIGUSR2)}
-        self._requeue_handler = previous[signal.SIGUSR2]
-
-        def handler(signum, frame):
-            if self.stop_signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self.stop_signal = signum
-            self.progress.message(f"{signal.Signals(signum).name}: stopping after this step "
-                                  f"with a checkpoint")
-
-        for s in previous:
-            signal.signal(s, handler)
-        return lambda: [signal.signal(s, h) for s, h in previous.items()]
-
-    def _stop_requested(self) -> bool:
-        """Whether any rank got a stop signal: every rank stops at the same step boundary."""
-        signum = self.stop_signal or 0
-        if self.dist.enabled:
-            flag = torch.tensor(float(signum), device=self.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            signum = int(flag.item())
-        if signum:
-            self.stop_signal = signum
-        return bool(signum)
-
     def _stop_if_signalled(self) -> None:
-        """Called once _stop_requested() has agreed on a signal."""
-        name = signal.Signals(self.stop_signal).name
-        if self.stop_signal == signal.SIGUSR2 and callable(self._requeue_handler):
+        """Called once the ranks have agreed on a stop signal (StopSignals.agreed)."""
+        name = self.signals.name
+        if self.signals.requeues():
             self.progress.message(f"{name} at step {self.step}: checkpoint saved, requeueing")
             self.folder.update_summary(status="interrupted", ended_at=time.time())
-            self._requeue_handler(self.stop_signal, None)  # submitit: requeue, then exit
+            self.signals.requeue_handler(self.signals.signum, None)  # submitit: requeue, exit
         raise RunInterrupted(f"{name} at step {self.step}: checkpoint saved; resume with: "
                              f"labrun resume {self.folder.path}")
 
@@ -415,7 +355,8 @@ class TrainingSession:
         if self.dist.is_main:
             self.checkpoints.save(self.state_dict(), self.step, is_best=is_best)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> CheckpointState:
+        """The one place a checkpoint's contents are put together (checkpoint.CheckpointState)."""
         return {
             "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -433,9 +374,10 @@ class TrainingSession:
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "class_names": self.data.class_names,
             "labrun_version": labrun.__version__,
+            "callbacks": {name: cb.state_dict() for name, cb in self.callbacks.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: CheckpointState) -> None:
         unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -446,22 +388,11 @@ class TrainingSession:
             self.micro = state["data"]["micro_batch_size"]  # keep what fitted in memory
             self.train_loader = self._train_loader()
         if "log_window" in state:  # absent from checkpoints written before labrun kept it
-            self._resumed_window = _Window(self.device)
+            self._resumed_window = StepWindow(self.device)
             self._resumed_window.loss += state["log_window"]["loss"].to(self.device)
             self._resumed_window.steps = state["log_window"]["steps"]
-        ckpt.set_rng_state(state["rng"])  # run.py has cut metrics.jsonl back to this step already
+        for name, callback_state in state.get("callbacks", {}).items():
+            if name in self.callbacks:  # a callback added on resume starts fresh
+                self.callbacks[name].load_state_dict(callback_state)
+        ckpt.set_rng_state(state["rng"])  # job.py has cut metrics.jsonl back to this step already
         self.folder.summary.update({f"best/{self.cfg.checkpoint.monitor}": self.best})
-
-
-def _cpu_autocast_supports(dtype: torch.dtype) -> bool:
-    try:
-        with torch.autocast("cpu", dtype=dtype):
-            torch.ones(2, 2) @ torch.ones(2, 2)
-        return True
-    except (RuntimeError, AssertionError):
-        return False
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {one_line(exc)}"[:500]
-

@@ -1,0 +1,35 @@
+"""`labrun bench NAME [--check]` and `labrun bench all [--check]`: the arguments and the loop
+over the benchmarks of labrun.bench.BENCHES."""
+
+from __future__ import annotations
+
+import argparse
+
+from labrun.bench import BENCHES, bench, report
+
+CHECK_HELP = "exit 1 when a required target is missed, naming each (what `make bench` does)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, (_, _, help_text) in BENCHES.items():
+        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
+        bench(name)[0](bench_parser)
+        bench_parser.add_argument("--check", action="store_true", help=CHECK_HELP)
+    every = sub.add_parser("all", help="every benchmark above, with its defaults "
+                                       "(`make bench` runs `all --check`)")
+    every.add_argument("--check", action="store_true", help=CHECK_HELP)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench != "all":
+        return report(bench(args.bench)[1](args), args.check)
+    verdicts = []
+    for name in BENCHES:
+        configure_bench, run_bench = bench(name)
+        defaults = argparse.ArgumentParser()
+        configure_bench(defaults)
+        print(f"== labrun bench {name}", flush=True)
+        verdicts += run_bench(defaults.parse_args([]))
+    print("== targets")
+    return report(verdicts, args.check)

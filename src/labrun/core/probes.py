@@ -1,0 +1,186 @@
+"""What this machine offers, asked in one place each: SLURM's partitions, the GPU driver and the
+W&B login. `labrun doctor`, the SLURM launcher, `labrun queue`, provenance and the W&B logger
+all ask through here, so they agree on the answer and on how it is asked.
+
+Nothing here contacts a server other than the SLURM controller, and that only where this
+machine has a slurm.conf (see `slurm_conf`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from labrun.core.errors import LabrunError, one_line
+
+# ---------------------------------------------------------------------------------------------
+# SLURM
+
+# Where a SLURM client finds its config: $SLURM_CONF, the packaged default, or the cache slurmd
+# keeps on a node of a configless cluster.
+SLURM_CONF_PLACES = ("/etc/slurm/slurm.conf", "/run/slurm/conf/slurm.conf")
+
+# The clients wait out SLURM's own 10 s message timeout once or twice when the controller is
+# slow; past 30 s it is down.
+SLURM_TIMEOUT_S = 30
+
+
+class SlurmError(LabrunError):
+    """A SLURM command could not answer. `kind`: "missing" (not installed), "unconfigured" (no
+    slurm.conf), "timeout" or "failed"; callers add their own fix to the message."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def slurm_conf() -> Path | None:
+    """The slurm.conf the SLURM commands would read, or None. Without one they look the
+    controller up in DNS (configless mode), which can hang for long on a machine that is no
+    SLURM client at all: then labrun does not ask."""
+    if os.environ.get("SLURM_CONF"):
+        path = Path(os.environ["SLURM_CONF"])
+        return path if path.is_file() else None
+    return next((Path(p) for p in SLURM_CONF_PLACES if Path(p).is_file()), None)
+
+
+def slurm_rows(*args: str, timeout: float = SLURM_TIMEOUT_S) -> list[list[str]]:
+    """The rows of a SLURM command's `|`-separated, header-less output."""
+    command = args[0]
+    if shutil.which(command) is None:
+        raise SlurmError(f"{command} not found: this machine is not a SLURM submit host",
+                         "missing")
+    # A configless cluster whose clients find the controller through DNS alone says so.
+    if slurm_conf() is None and os.environ.get("LABRUN_SLURM_CONFIGLESS") != "1":
+        raise SlurmError(f"no slurm.conf ($SLURM_CONF or {SLURM_CONF_PLACES[0]}): this machine "
+                         f"is not set up as a SLURM client (a configless cluster found through "
+                         f"DNS: set LABRUN_SLURM_CONFIGLESS=1)", "unconfigured")
+    try:
+        out = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{command} timed out after {timeout:.0f} s", "timeout") from None
+    if out.returncode != 0:
+        why = (out.stderr or out.stdout).strip() or f"exit code {out.returncode}"
+        raise SlurmError(f"{command} failed: {why}", "failed")
+    return [[cell.strip() for cell in line.split("|")]
+            for line in out.stdout.splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    """One node of one partition (a node in two partitions appears twice)."""
+
+    partition: str
+    default: bool  # the partition jobs go to when they name none
+    available: str  # the partition's state: up, down, drain, inact
+    state: str  # the node's: idle, mixed, allocated, down...
+    cpus: int
+    mem_mb: int
+    gpus: int
+
+
+def slurm_nodes(timeout: float = SLURM_TIMEOUT_S) -> list[SlurmNode]:
+    """Every node of every partition, from one `sinfo` query."""
+    rows = slurm_rows("sinfo", "-h", "-N", "-o", "%P|%a|%T|%c|%m|%G", timeout=timeout)
+    nodes = []
+    for partition, available, state, cpus, mem, gres in (r[:6] for r in rows if len(r) >= 6):
+        nodes.append(SlurmNode(partition.rstrip("*"), partition.endswith("*"), available, state,
+                               _int(cpus), _int(mem), gpus_in_gres(gres)))
+    return nodes
+
+
+def gpus_in_gres(gres: str) -> int:
+    """GPUs in sinfo's %G: gpu:4, gpu:a100:4 or gpu:a100:4(S:0-1): the count is the last field
+    before "("."""
+    counts = [g.split("(")[0].rsplit(":", 1)[-1] for g in gres.split(",") if g.startswith("gpu")]
+    return sum(int(c) for c in counts if c.isdigit())
+
+
+def _int(text: str) -> int:
+    # sinfo writes e.g. "4+" for a range over nodes; a node-oriented query gives plain numbers.
+    digits = text.rstrip("+")
+    return int(digits) if digits.isdigit() else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs
+
+
+@functools.cache
+def gpu_driver_version() -> str | None:
+    """The NVIDIA driver's version (e.g. 550.54.15), or None where there is none.
+
+    torch knows the CUDA runtime but not the driver's version. NVML (the `pynvml` module of
+    nvidia-ml-py) answers in-process where it is installed; labrun does not require it, so
+    without it `nvidia-smi` is asked, once per process (it takes ~100 ms and the answer does
+    not change while labrun runs)."""
+    try:
+        import pynvml
+    except ImportError:
+        return _nvidia_smi_driver()
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def _nvidia_smi_driver() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights & Biases
+
+
+def wandb_host() -> str:
+    """The W&B server's host name, as ~/.netrc names it."""
+    url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    return url.split("://")[-1].split("/")[0].split(":")[0]
+
+
+@dataclass(frozen=True)
+class WandbLogin:
+    """Where a W&B API key would come from. Read from the environment and ~/.netrc (where
+    `wandb login` puts it) only: the key is never verified, shown or kept here."""
+
+    host: str
+    source: str | None  # "WANDB_API_KEY" or the netrc file holding a key for host; None: no key
+    netrc: Path  # the netrc file looked at
+    error: str | None = None  # that file exists but cannot be read
+
+    @property
+    def logged_in(self) -> bool:
+        return self.source is not None
+
+
+def wandb_login() -> WandbLogin:
+    import netrc
+
+    host = wandb_host()
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    if os.environ.get("WANDB_API_KEY"):
+        return WandbLogin(host, "WANDB_API_KEY", path)
+    if not path.is_file():
+        return WandbLogin(host, None, path)
+    try:
+        found = netrc.netrc(path).authenticators(host) is not None
+    except (netrc.NetrcParseError, OSError) as error:
+        return WandbLogin(host, None, path, one_line(error))
+    return WandbLogin(host, str(path) if found else None, path)

@@ -1,0 +1,71 @@
+"""What a MODEL argument of `labrun serve` and `labrun predict` may be, and loading it.
+
+    predictor, tmp = load(MODEL)      MODEL: model.onnx | model.torchscript.pt (each with its
+                                      metadata JSON beside it), or a run folder or checkpoint,
+                                      exported to ONNX in the temp folder `tmp` first
+    ...
+    remove_folder(tmp)
+
+This sits above both labrun.deploy.export and labrun.deploy.runtime, so that the runtime never
+needs the exporter (export's parity check runs the exported file through the runtime).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+from labrun.core.errors import LabrunError
+from labrun.deploy import runtime
+
+
+def is_torchscript_archive(path: Path) -> bool:
+    """TorchScript archives hold code/ and constants.pkl; a checkpoint holds only data.pkl."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("constants.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def needs_export(model: Path) -> bool:
+    """A run folder or a checkpoint (any file that is not an exported model): export first."""
+    if model.is_dir():
+        return True
+    exported = (runtime.metadata_path(model).exists() or model.suffix == ".onnx"
+                or is_torchscript_archive(model))
+    return not exported
+
+
+def export_for_inference(model: Path, folder: Path) -> Path:
+    """Export a run folder or checkpoint to ONNX in `folder` (checked on random input, fast)."""
+    # Imported here: the exporter pulls in the models, the data and the checkpoint code, which a
+    # server given an exported file (and each of its worker processes) never needs.
+    from labrun.deploy import export
+
+    out = folder / "model.onnx"
+    export.export(model, out=out, fmt="onnx", check_data="random")
+    return out
+
+
+def load(model: str | Path, threads: int | None = None) -> tuple[runtime.Predictor, Path | None]:
+    """A Predictor for any MODEL argument, and the temp folder to delete afterwards (or None)."""
+    model = Path(model)
+    if not model.exists():
+        raise LabrunError(f"{model}: no such file or folder; give an exported .onnx or .pt "
+                          f"file, a run folder or a checkpoint")
+    if not needs_export(model):
+        return runtime.Predictor(model, threads), None
+    folder = Path(tempfile.mkdtemp(prefix="labrun-export-"))
+    try:
+        return runtime.Predictor(export_for_inference(model, folder), threads), folder
+    except BaseException:
+        remove_folder(folder)
+        raise
+
+
+def remove_folder(folder: Path | None) -> None:
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,156 @@
+"""SweepDir: the one owner of a sweep folder's jobs.json, and what a sweep's jobs show.
+
+    SWEEP/
+      jobs.json       {"backend": "local"|"slurm", "jobs": [Job, ...], ...extra (snapshot)}
+      0/, 1/, ...     one run folder per job (RunDir)
+
+The launchers (labrun.launch) write jobs.json as jobs start and end; `labrun status` reads it.
+Each job's outcome comes from its own run folder (read_result), never from the launcher's
+memory, so a table printed by the launcher and one printed later by `labrun status` agree.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import filter_overrides
+from rich.console import Console
+from rich.table import Table
+
+from labrun.core.errors import LabrunError
+from labrun.core.files import write_json_atomic
+from labrun.runs.rundir import RunDir
+
+MANIFEST = "jobs.json"
+
+
+@dataclass
+class Job:
+    num: int
+    overrides: list[str]
+    dir: str
+    state: str = "pending"  # pending | skipped | submitted | running | completed | failed | ...
+    job_id: str | None = None  # SLURM job id, or the local job's submitit id (its controller's pid)
+    log: str | None = None
+    gpus: str | None = None
+    error: str | None = None
+    metric: float | None = None
+    # The local launcher's own record of the job's process: wall-clock epoch seconds just
+    # before it started the process and just after it saw the process end, and its exit code.
+    started_at: float | None = None
+    ended_at: float | None = None
+    returncode: int | None = None
+    config: Any = field(default=None, repr=False)  # the job's composed config (not saved)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir)
+
+    @property
+    def run_dir(self) -> RunDir:
+        return RunDir(self.dir)
+
+
+class SweepDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"SweepDir({str(self.path)!r})"
+
+    @property
+    def jobs_path(self) -> Path:
+        return self.path / MANIFEST
+
+    def write_jobs(self, backend: str, jobs: list[Job], **extra: Any) -> None:
+        """jobs.json: every job of the sweep so far (a search launches its trials in batches,
+        so rows of earlier batches are kept)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        rows = {row["num"]: row for row in
+                (json.loads(self.jobs_path.read_text())["jobs"] if self.jobs_path.is_file()
+                 else [])}
+        rows.update({job.num: {k: v for k, v in asdict(job).items() if k != "config"}
+                     for job in jobs})
+        data = {"backend": backend, "jobs": [rows[num] for num in sorted(rows)], **extra}
+        # Atomic: the local launcher rewrites it as each job ends, while `labrun status` may read.
+        write_json_atomic(self.jobs_path, data)
+
+    def read_jobs(self) -> dict[str, Any]:
+        """jobs.json with its "jobs" as Job objects; LabrunError when the folder has none."""
+        if not self.jobs_path.is_file():
+            raise LabrunError(f"{self.path} is not a labrun sweep folder (no {MANIFEST})")
+        data = json.loads(self.jobs_path.read_text())
+        data["jobs"] = [Job(**row) for row in data["jobs"]]
+        return data
+
+
+def read_result(job: Job) -> None:
+    """Fill the job's state, metric and error from what the job itself wrote."""
+    run_dir = job.run_dir
+    summary = run_dir.read_summary()
+    monitor = summary.get("monitor", "val/acc")
+    job.metric = summary.get(f"best/{monitor}")
+    status = summary.get("status")
+    rank_errors = run_dir.rank_errors()
+    if rank_errors:  # a rank other than 0 failed: SLURM may still say COMPLETED
+        job.state = "failed"
+        job.error = "; ".join(rank_errors)
+    elif status in ("completed", "failed", "interrupted"):
+        if job.state != "skipped" or status != "completed":
+            job.state = status
+        job.error = summary.get("error") or job.error
+    elif job.state not in ("skipped", "cancelled"):
+        job.state = "failed"
+        job.error = last_error_line(job.log) or job.error or "the job ended without a result"
+
+
+def last_error_line(log: str | None) -> str | None:
+    """The one-line `error: ...` a job printed before it stopped (a config mistake, say)."""
+    if not log or not Path(log).is_file():
+        return None
+    lines = Path(log).read_text(errors="replace").splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    return errors[-1][len("error: "):] if errors else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The table a sweep ends with, and `labrun status` prints
+
+
+def varying_overrides(jobs: list[Job]) -> dict[int, str]:
+    """Per job, only the overrides that differ between the sweep's jobs."""
+    lists = [filter_overrides(job.overrides) for job in jobs]
+    # One job alone (a search launches trials one by one): show all of its overrides.
+    common = set.intersection(*(set(o) for o in lists)) if len(lists) > 1 else set()
+    return {job.num: " ".join(o for o in overrides if o not in common) or "(defaults)"
+            for job, overrides in zip(jobs, lists, strict=True)}
+
+
+STYLE = {"completed": "green", "skipped": "green", "failed": "red", "interrupted": "yellow",
+         "cancelled": "yellow", "running": "cyan", "submitted": "cyan", "pending": "dim"}
+
+
+def print_table(jobs: list[Job], title: str, console: Console | None = None) -> None:
+    # Not a terminal (a log file, CI): wide enough that paths stay on one line.
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    table = Table(title=title, title_justify="left")
+    for column in ("job", "overrides", "state", "best", "id"):
+        table.add_column(column, no_wrap=column in ("state", "best", "id"))
+    table.add_column("log / error", overflow="fold")
+    labels = varying_overrides(jobs)
+    for job in jobs:
+        state = "completed (earlier)" if job.state == "skipped" else job.state
+        detail = job.error if job.error and job.state not in ("completed", "skipped") else ""
+        where = job.log or job.dir
+        table.add_row(str(job.num), labels[job.num], f"[{STYLE.get(job.state, '')}]{state}",
+                      "" if job.metric is None else f"{job.metric:.4f}", job.job_id or "",
+                      f"{where}\n{detail}" if detail else where)
+    console.print(table)
+    failed = [j for j in jobs if j.state not in ("completed", "skipped")]
+    if failed:
+        console.print(f"{len(failed)} of {len(jobs)} jobs did not complete; run the same "
+                      f"command again (same hydra.sweep.dir) to finish only those.")

@@ -1,0 +1,63 @@
+"""Stop signals: SIGTERM, SIGINT and SIGUSR2 ask the trainer for a checkpoint at the next step
+boundary; a second SIGINT aborts at once.
+
+SIGUSR2 is SLURM's warning before a time limit or a preemption. A USR2 handler that was
+already installed (submitit's: it requeues the job) is kept, and the trainer calls it after
+that checkpoint, so the requeued job resumes from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+
+
+class StopSignals:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.requeue_handler = None  # the USR2 handler found when catching started
+
+    def catch(self) -> Callable[[], None]:
+        """Install the handlers; returns what puts the previous ones back."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {s: signal.getsignal(s) for s in CAUGHT}
+        self.requeue_handler = previous[signal.SIGUSR2]
+
+        def handler(signum, frame):
+            if self.signum is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.signum = signum
+            log.info(f"{signal.Signals(signum).name}: stopping after this step with a "
+                     f"checkpoint")
+
+        for s in previous:
+            signal.signal(s, handler)
+        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+    def agreed(self, distributed: bool, device: torch.device) -> bool:
+        """Whether any rank got a stop signal: every rank stops at the same step boundary."""
+        signum = self.signum or 0
+        if distributed:
+            flag = torch.tensor(float(signum), device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            signum = int(flag.item())
+        if signum:
+            self.signum = signum
+        return bool(signum)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    def requeues(self) -> bool:
+        """A USR2 with submitit's handler behind it: the job is requeued, not just stopped."""
+        return self.signum == signal.SIGUSR2 and callable(self.requeue_handler)
