@@ -19,12 +19,15 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path, *, durable: bool = False) -> Iterator[Path]:
+def atomic_path(path: str | Path, *, durable: bool = False, unique: bool = False
+                ) -> Iterator[Path]:
     """Write to the yielded temporary path (`.NAME.tmp` beside `path`); on success it replaces
     `path`, on an exception it is removed and `path` is untouched. For writers that want a
-    path of their own (torch.save, h5py, an exporter)."""
+    path of their own (torch.save, h5py, an exporter). `unique` adds the PID to the temporary
+    name, for writers that two processes may run at once on one target."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp" + (f"-{os.getpid()}" if unique else ""))
+    tmp.unlink(missing_ok=True)  # left by a writer that was killed
     try:
         yield tmp
         if durable:

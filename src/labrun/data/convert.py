@@ -43,6 +43,7 @@ from rich.progress import (
 from rich.table import Table
 
 from labrun.core.errors import DataError, LabrunError, one_line
+from labrun.core.files import atomic_path
 from labrun.data import hdf5, imagefolder
 from labrun.data.decode import decode, encode_jpeg, is_jpeg, resolve
 from labrun.data.transforms import ValTransform
@@ -130,10 +131,9 @@ def convert(src: str, out: str, options: Options = Options(), *, workers: int = 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     decoder = resolve("turbojpeg")
     encode = partial(encode_file, options=options, decoder=decoder)
-    temporary = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     start = time.perf_counter()
     reports: dict[str, SplitReport] = {}
-    try:
+    with atomic_path(out_path, unique=True) as temporary:
         with _mapper(workers) as mapper, h5py.File(temporary, "w") as file, \
                 _progress(console) as progress:
             file.attrs["labrun_format"] = hdf5.FORMAT
@@ -152,9 +152,6 @@ def convert(src: str, out: str, options: Options = Options(), *, workers: int = 
                     _write_split(file.create_group(split), spool, offsets, labels)
             if shape is not None:
                 file.attrs["shape"] = np.array(shape, dtype=np.int64)
-        os.replace(temporary, out_path)
-    finally:
-        temporary.unlink(missing_ok=True)
     _print_summary(console, src, out, options, reports, class_names, time.perf_counter() - start)
     return reports
 

@@ -34,7 +34,7 @@ import labrun
 from labrun import models
 from labrun.config.schema import DatasetConfig
 from labrun.core.errors import LabrunError, one_line
-from labrun.core.files import write_json_atomic
+from labrun.core.files import atomic_path, write_json_atomic
 from labrun.data.transforms import ValTransform, normalize_on_device
 from labrun.deploy import runtime as inference
 from labrun.runs.rundir import RunDir
@@ -165,25 +165,24 @@ def write_checked(model: torch.nn.Module, out: Path, fmt: str, exporter: str, op
     reference = model.to(device)
     to_export = copy.deepcopy(model).to(device=device, dtype=dtype)
     example = torch.randn(2, 3, prep.image_size, prep.image_size, device=device, dtype=dtype)
-    tmp = out.with_name(f".{out.name}.tmp")
     candidates = exporters(fmt, exporter)
     failures = []
     for name in candidates:
         try:
-            write_model(to_export, example, tmp, fmt, name, opset)
-            check = None
-            if images is not None:
-                check = parity(tmp, fmt, reference, images, prep, dtype, device)
-                if verbose:
-                    report_parity(check, name)
-                if not check["passed"]:
-                    raise LabrunError(f"parity check failed: max abs diff "
-                                      f"{check['max_abs_diff']:.2e} > {check['tolerance']:.2e} "
-                                      f"or top-1 differs on {check['top1_mismatches']} image(s)")
-            os.replace(tmp, out)
+            with atomic_path(out) as tmp:  # `out` appears only once it passed the parity check
+                write_model(to_export, example, tmp, fmt, name, opset)
+                check = None
+                if images is not None:
+                    check = parity(tmp, fmt, reference, images, prep, dtype, device)
+                    if verbose:
+                        report_parity(check, name)
+                    if not check["passed"]:
+                        raise LabrunError(
+                            f"parity check failed: max abs diff {check['max_abs_diff']:.2e} > "
+                            f"{check['tolerance']:.2e} or top-1 differs on "
+                            f"{check['top1_mismatches']} image(s)")
             return name, check
         except Exception as error:  # noqa: BLE001 - any exporter failure moves to the next one
-            tmp.unlink(missing_ok=True)
             failures.append(f"{name}: {one_line(error)}")
             if verbose and len(failures) < len(candidates):
                 log.warning("%s exporter failed (%s); trying the next one", name, failures[-1])

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, TypedDict
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from labrun.core.errors import LabrunError
+from labrun.core.files import atomic_path
 
 STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
 
@@ -118,15 +120,10 @@ class CheckpointManager:
         return path
 
     def _write_atomic(self, state: CheckpointState, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            with atomic_path(path, durable=True) as tmp:
+                torch.save(state, tmp)
         except OSError as error:
-            tmp.unlink(missing_ok=True)
             previous = self.latest_path()
             kept = f"; the previous checkpoint {previous.name} is intact" if previous else ""
             hint = "free some disk space" if error.errno == errno.ENOSPC else "check the folder"
@@ -135,14 +132,11 @@ class CheckpointManager:
 
     def _link(self, target: Path, link: Path) -> None:
         """Atomically make `link` the same file as `target` (a hard link, or a copy)."""
-        tmp = link.with_name(f".{link.name}.tmp")
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(target, tmp)
-        except OSError:  # file systems without hard links
-            import shutil
-            shutil.copyfile(target, tmp)
-        os.replace(tmp, link)
+        with atomic_path(link) as tmp:
+            try:
+                os.link(target, tmp)
+            except OSError:  # file systems without hard links
+                shutil.copyfile(target, tmp)
 
     def _prune(self) -> None:
         history = self.history()

@@ -3,6 +3,10 @@
 One process per GPU. The rank and world size come from torchrun's variables (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT) or from SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the
 first host of SLURM_JOB_NODELIST as master). A single process needs no process group.
+
+Not submitit's TorchDistributedEnvironment: it works only inside a submitit job (it reads
+SUBMITIT_FOLDER), while labrun's ranks also start under torchrun, plain `srun python train.py`
+and `trainer.devices=N` on one machine.
 """
 
 from __future__ import annotations
