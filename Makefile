@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: train test bench lint clean
 
-$(STAMP): pyproject.toml setup.py src/labrun/data/_jpeg_region.c scripts/setup.sh
+$(STAMP): pyproject.toml constraints.txt setup.py src/labrun/data/_jpeg_region.c scripts/setup.sh
 	bash scripts/setup.sh
 
 train: $(STAMP)   ## the default job: digits, small CNN, CPU, about a minute

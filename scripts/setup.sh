@@ -27,6 +27,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
     .venv/bin/pip install -q --upgrade pip
 fi
-# torch==2.14.1 / torchvision==0.29.1 (pinned in pyproject.toml) come from the local wheel cache.
-.venv/bin/pip install -q -e '.[dev]'
+# The tested torch / torchvision (constraints.txt; pyproject.toml declares ranges) come from the
+# local wheel cache.
+.venv/bin/pip install -q -c constraints.txt -e '.[dev]'
 touch .venv/.installed

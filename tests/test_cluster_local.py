@@ -134,6 +134,8 @@ def test_more_devices_than_gpus_is_refused_at_once(tmp_path, devices):
 
 def test_an_interrupted_optuna_search_continues_its_study(tmp_path):
     import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
 
     # Ctrl-C must land while trial 2 trains: after its summary.json appears (training started)
     # and before its last epoch ends (a stop requested after that is too late: it completes).
@@ -163,13 +165,19 @@ def test_an_interrupted_optuna_search_continues_its_study(tmp_path):
     result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "continuing study train: 2 trials finished, 1 to go" in result.stdout
-    study = optuna.load_study(study_name="train", storage=f"sqlite:///{tmp_path}/optuna.db")
+    # The study is a journal file in the sweep folder (Optuna's storage for many processes on a
+    # shared file system), not the SQLite file of hydra-optuna-sweeper.
+    assert not (tmp_path / "optuna.db").exists()
+    storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
+    study = optuna.load_study(study_name="train", storage=storage)
     states = [t.state for t in study.trials]
     assert states.count(optuna.trial.TrialState.COMPLETE) == 3
     assert study.trials[2].state == optuna.trial.TrialState.FAIL  # the one cut off...
     assert study.trials[3].params == study.trials[2].params  # ...was tried again
     assert read_summary(tmp_path / "3")["status"] == "completed"
     assert read_summary(tmp_path / "2")["status"] == "interrupted"
+    # Each trial's folder names its trial, for the pruning callback (train/pruning.py).
+    assert "+callbacks.optuna.trial=3" in (tmp_path / "3" / ".hydra" / "overrides.yaml").read_text()
 
 
 

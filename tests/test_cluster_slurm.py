@@ -208,3 +208,34 @@ def test_a_request_no_node_can_satisfy_fails_at_submission(tmp_path):
     assert lines[-1].startswith("error: cluster.cpus_per_task x tasks_per_node = 64 CPUs")
     assert "partition dev offers at most" in lines[-1]
     assert not (tmp_path / "jobs.json").exists()
+
+
+def test_an_optuna_study_of_six_trials_three_at_a_time_as_arrays(tmp_path):
+    # hparams_search=optuna on SLURM: two batches of three trials, each batch one job array,
+    # every trial reporting to the study's journal file in the sweep folder from its node.
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    result = run_sweep(tmp_path, "hparams_search=optuna", "hydra.sweeper.n_trials=6",
+                       "hydra.sweeper.n_jobs=3", "cluster.array_parallelism=3",
+                       "trainer.max_epochs=2", "trainer.limit_train_batches=3",
+                       "trainer.limit_val_batches=2", timeout=600)  # two batches of the above
+    assert result.returncode == 0, result.stdout + result.stderr
+    storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
+    trials = optuna.load_study(study_name="train", storage=storage).trials
+    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    assert [t.number for t in trials] == list(range(6))
+    assert all(t.state in finished for t in trials)
+    # Every trial reported each epoch from its SLURM job (the pruner needs them).
+    assert all(sorted(t.intermediate_values) == [1, 2] for t in trials
+               if t.state == optuna.trial.TrialState.COMPLETE)
+    rows = manifest(tmp_path)["jobs"]
+    assert [row["num"] for row in rows] == list(range(6))
+    arrays = [{row["job_id"].split("_")[0] for row in rows[i:i + 3]} for i in (0, 3)]
+    assert all(len(ids) == 1 for ids in arrays) and arrays[0] != arrays[1]  # one array a batch
+    for row, trial in zip(rows, trials, strict=True):
+        summary = read_summary(Path(row["dir"]))
+        assert summary["status"] == row["state"] == trial.state.name.lower().replace(
+            "complete", "completed")
+        assert f"optimizer.lr={trial.params['optimizer.lr']}" in row["overrides"]

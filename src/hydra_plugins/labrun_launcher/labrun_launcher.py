@@ -1,5 +1,11 @@
-"""Hydra finds launchers only inside the `hydra_plugins` package: these names make labrun's
-launchers (src/labrun/launch/) visible to it. `cluster=...` picks one; see conf/cluster/."""
+"""Hydra finds launchers and sweepers only inside the `hydra_plugins` package: these names make
+labrun's (src/labrun/launch/) visible to it. `cluster=...` picks a launcher (conf/cluster/),
+`hparams_search=optuna` the sweeper (conf/hparams_search/optuna.yaml)."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
 
 from labrun.launch import local, optuna_sweeper, slurm
 
@@ -13,5 +19,28 @@ class LabrunSlurmLauncher(slurm.SlurmLauncher):
     """cluster=lab / slurm_dev: a SLURM job array through submitit."""
 
 
-class LabrunOptunaSweeper(optuna_sweeper.ResumableOptunaSweeper):
-    """hparams_search=optuna: an Optuna study that a re-run continues."""
+class LabrunOptunaSweeper(optuna_sweeper.OptunaSweeper):
+    """hparams_search=optuna: an Optuna study in the sweep folder, trials in batches through
+    the launcher, pruned from the values they log; a re-run continues it."""
+
+
+@dataclass
+class LabrunOptunaSweeperConf:
+    """hydra/sweeper=labrun_optuna: the keys of labrun.launch.optuna_sweeper (typed: Hydra
+    refuses a misspelt key or a wrong type in one line)."""
+
+    _target_: str = "hydra_plugins.labrun_launcher.labrun_launcher.LabrunOptunaSweeper"
+    storage: str | None = None  # null: SWEEP_DIR/optuna.journal
+    study_name: str | None = None  # null: the job name (train)
+    direction: str = "minimize"
+    n_trials: int = 20
+    n_jobs: int = 1
+    max_failure_rate: float = 0.0
+    sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler"})
+    pruner: Any = field(default_factory=lambda: {"_target_": "optuna.pruners.MedianPruner"})
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+# Stored when Hydra scans its plugins, before it composes a config.
+ConfigStore.instance().store(group="hydra/sweeper", name="labrun_optuna",
+                             node=LabrunOptunaSweeperConf, provider="labrun")

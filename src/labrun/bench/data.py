@@ -188,7 +188,9 @@ def labrun_data(dataset: dict, args: argparse.Namespace):
     from labrun.data.sources import SubsetSource
 
     schema = HDF5Config if dataset["name"] == "hdf5" else ImageFolderConfig
-    cfg = OmegaConf.merge(OmegaConf.structured(schema), {
+    # The loader conf/dataset/<name>.yaml names: the benchmark builds the same Data a run does.
+    target = f"labrun.data.{dataset['name']}.load"
+    cfg = OmegaConf.merge(OmegaConf.structured(schema), {"_target_": target,
         **dataset, "decoder": "turbojpeg", "image_size": args.size, "num_workers": args.workers,
         "mean": IMAGENET_MEAN, "std": IMAGENET_STD})
     splits = data.build(cfg)

@@ -3,6 +3,9 @@ can fix (a config key, a path, a file); a full traceback for everything else.
 
 Hydra composes and runs the app as its docs show; only its error printing is replaced. Setting
 HYDRA_FULL_ERROR=1 shows Hydra's full traceback, as usual.
+
+RunLockCallback (conf/train.yaml, hydra.callbacks) takes the run folder's lock (runs/lock.py)
+for a single run before Hydra writes anything there.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable
+
+from hydra.experimental.callback import Callback
 
 # user_error_message is re-exported: the one-line messages live with the config they explain.
 from labrun.config.messages import user_error_message  # noqa: F401
@@ -64,3 +69,37 @@ def run_hydra_app(main: Callable[[], object]) -> None:
         if code is None:
             raise
         sys.exit(code)
+
+
+class RunLockCallback(Callback):
+    """Takes the run folder's lock in on_run_start, which Hydra 1.3 calls before run_job saves
+    .hydra/ and opens train.log (on_job_start comes after both). A refusal prints one line and
+    exits 2. Sweeps: the launchers take each job's lock themselves, before run_job
+    (launch/local.py, launch/slurm.py)."""
+
+    def __init__(self) -> None:
+        self.lock = None
+
+    def on_run_start(self, config, **kwargs) -> None:
+        from omegaconf import OmegaConf
+
+        from labrun.runs import lock
+        from labrun.runs.rundir import RunDir
+
+        # run_job makes the same path of hydra.run.dir (`now` is cached, the token is in the
+        # environment: the value is the one run_job will get).
+        run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
+        try:
+            self.lock = lock.claim(RunDir(run_dir).lock_path)
+        except lock.RunLocked as error:
+            # Hydra turns a callback's exception into a warning and runs the job anyway: the
+            # refusal must leave as SystemExit (one line, exit 2) before run_job writes.
+            # (Not through _print_if_expected: with LABRUN_FULL_ERROR=1 that re-raises, which
+            # Hydra would swallow here.)
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
+
+    def on_run_end(self, config, **kwargs) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None

@@ -37,6 +37,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from labrun.core.errors import ConfigError
 from labrun.launch import sweep
+from labrun.runs import lock as run_lock
+from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, SweepDir, print_table, read_result
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ POLL_S = 0.2
 NO_TIME_LIMIT_MIN = 10 * 365 * 24 * 60
 # The exit code with which submitit's local job asks its controller to start it again (requeue).
 REQUEUE_EXIT_CODE = 144
+# A user error's exit code, as `python train.py` ends with (cli/hydra_app.py; not imported: cli
+# is above launch).
+EXIT_USER_ERROR = 2
 
 
 def visible_gpus() -> list[int]:
@@ -189,19 +194,32 @@ class LocalLauncher(Launcher):
             config.hydra.job.id = submitit.JobEnvironment().job_id
         with _output_to(log_path):
             try:
-                ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
-                              config=config, job_dir_key="hydra.sweep.dir",
-                              job_subdir_key="hydra.sweep.subdir")
-            except SystemExit as stop:  # a user error (2) or a stop (130): its line is printed
-                if stop.code == REQUEUE_EXIT_CODE:
-                    raise  # submitit's requeue: its controller starts the job again
-                code = stop.code  # as Python's own exit: None is 0, a message is 1
-                return code if isinstance(code, int) else 0 if code is None else 1
-            if ret.status == JobStatus.FAILED:  # a bug: the traceback, as a plain run shows it
-                error = ret._return_value
-                traceback.print_exception(type(error), error, error.__traceback__)
-                return 1
-            return 0
+                # The job's run folder is taken before run_job writes .hydra/ and its log.
+                held = run_lock.claim(RunDir(sweep.job_dir(config)).lock_path)
+            except run_lock.RunLocked as error:
+                print(f"error: {error}", file=sys.stderr)
+                return EXIT_USER_ERROR
+            try:
+                return self._run_job(config)
+            finally:
+                if held is not None:
+                    held.release()
+
+    def _run_job(self, config: DictConfig) -> int:
+        try:
+            ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
+                          config=config, job_dir_key="hydra.sweep.dir",
+                          job_subdir_key="hydra.sweep.subdir")
+        except SystemExit as stop:  # a user error (2) or a stop (130): its line is printed
+            if stop.code == REQUEUE_EXIT_CODE:
+                raise  # submitit's requeue: its controller starts the job again
+            code = stop.code  # as Python's own exit: None is 0, a message is 1
+            return code if isinstance(code, int) else 0 if code is None else 1
+        if ret.status == JobStatus.FAILED:  # a bug: the traceback, as a plain run shows it
+            error = ret._return_value
+            traceback.print_exception(type(error), error, error.__traceback__)
+            return 1
+        return 0
 
     def checkpoint(self, *args: Any) -> Any:
         """On USR2 (see labrun.train.trainer): requeue the same call; the job resumes from the

@@ -1,52 +1,204 @@
-"""hparams_search=optuna: hydra-optuna-sweeper, with a study that survives interruption.
+"""hparams_search=optuna: labrun's own Hydra sweeper on current Optuna (4.2 to 5.x).
 
-The study lives in the sweep folder (SQLite). Running the same command again into the same
-sweep folder continues it: finished trials are kept and count towards n_trials, a trial that
-was cut off is marked failed and its parameters are tried again, and new jobs are numbered
-after the existing ones, so no job folder is reused by a different trial.
+    python train.py -m hparams_search=optuna [cluster=lab] [hydra.sweeper.n_trials=40 ...]
+
+Keys (conf/hparams_search/optuna.yaml; the schema is in hydra_plugins/labrun_launcher):
+    storage      null: a journal file SWEEP_DIR/optuna.journal (Optuna's JournalStorage, made
+                 for many processes on a shared file system); a path: a journal file there;
+                 a URL (sqlite:///..., postgresql://...): that database
+    study_name, direction (maximize | minimize), sampler (a `_target_`, TPE by default)
+    n_trials     trials in all, counting those an earlier run of the study finished
+    n_jobs       trials per batch: the launcher runs a batch at once (cluster=lab: one array)
+    pruner       a `_target_` (optuna.pruners.MedianPruner by default); null: no pruning
+    max_failure_rate  the share of a batch's trials that may fail before the search stops
+    params       the search space, in hydra-optuna-sweeper's syntax (launch/search_space.py)
+
+Each trial is one job of the launcher that `cluster=` picked, in the sweep folder's N/ for
+trial N. The trial gets its parameters and, while a pruner is set, the pruning callback
+(train/pruning.py) as overrides: it reports checkpoint.monitor after every epoch to the trial
+in the study's storage and stops the run as "pruned" when the pruner says so. The sweeper
+tells the study each trial's outcome: its objective (the best checkpoint.monitor, which
+train.py returns), pruned, or failed.
+
+Running the same command again into the same sweep folder continues the study: finished
+trials (complete or pruned) count towards n_trials, a trial that was cut off (still running
+in the study) is marked failed and its parameters are tried again, and new trials, numbered
+after the existing ones, get new folders. One sweeper per study at a time.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
+from typing import Any
 
-from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from labrun.core.errors import ConfigError, LabrunError, one_line
+from labrun.launch import search_space
+from labrun.runs.rundir import RunDir
+from labrun.train.pruning import PRUNER_ATTR, open_storage
 
 log = logging.getLogger(__name__)
 
 # optuna is imported inside the methods: Hydra imports this module on every start-up, and
-# importing optuna costs over a second.
+# importing optuna costs about a second.
+
+JOURNAL = "optuna.journal"
+RESULTS = "optimization_results.yaml"
+CALLBACK = "+callbacks.optuna"  # the pruning callback's overrides (train/pruning.py)
 
 
-class ResumableOptunaSweeper(OptunaSweeper):
+class OptunaSweeper(Sweeper):
+    def __init__(self, *, storage: str | None, study_name: str | None, direction: str,
+                 n_trials: int, n_jobs: int, max_failure_rate: float, sampler: Any,
+                 pruner: Any, params: dict[str, Any] | None) -> None:
+        # sampler and pruner arrive built: Hydra instantiates a plugin's config recursively.
+        if direction not in ("maximize", "minimize"):
+            raise ConfigError(f"hydra.sweeper.direction={direction}: maximize or minimize")
+        if n_trials < 1 or n_jobs < 1 or not 0.0 <= max_failure_rate <= 1.0:
+            raise ConfigError(f"hydra.sweeper: n_trials={n_trials} and n_jobs={n_jobs} must be "
+                              f">= 1, max_failure_rate={max_failure_rate} within [0, 1]")
+        self.storage, self.study_name, self.direction = storage, study_name, direction
+        self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, n_jobs, max_failure_rate
+        self.sampler, self.pruner, self.params = sampler, pruner, params or {}
+        self.config: DictConfig | None = None
+        self.launcher = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
+              config: DictConfig) -> None:
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            config=config, hydra_context=hydra_context, task_function=task_function)
+
     def sweep(self, arguments: list[str]) -> None:
         import optuna
 
-        finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        impl = self.sweeper
-        if impl.storage:
-            Path(str(impl.sweep_dir)).mkdir(parents=True, exist_ok=True)
-            study = self._existing_study(impl.storage, impl.study_name)
-            if study is not None:
-                finished = [t for t in study.trials if t.state in finished_states]
-                impl.job_idx = len(study.trials)  # job N runs trial N
-                for trial in study.trials:
-                    if trial.state == optuna.trial.TrialState.RUNNING:  # cut off last time
-                        study.enqueue_trial(trial.params)
-                        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-                impl.n_trials = max(0, impl.n_trials - len(finished))
-                log.info("continuing study %s: %d trials finished, %d to go",
-                         impl.study_name, len(finished), impl.n_trials)
-                if impl.n_trials == 0:
-                    return None
-        return super().sweep(arguments)
+        if OmegaConf.select(self.config, "cluster.detach", default=False):
+            raise ConfigError("hparams_search=optuna waits for each batch of trials to choose "
+                              "the next: it cannot run with cluster.detach=true")
+        distributions, fixed = search_space.parse(
+            OmegaConf.to_container(OmegaConf.create(dict(self.params)), resolve=True),
+            list(arguments))
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        storage_spec = self._storage_spec(sweep_dir)
+        study_name = self.study_name or str(self.config.hydra.job.name)
+        storage = optuna.storages.get_storage(open_storage(storage_spec))
+        to_go = self.n_trials - self._continue(storage, study_name)
+        if to_go <= 0:
+            return
+        study = optuna.create_study(study_name=study_name, storage=storage,
+                                    sampler=self.sampler, direction=self.direction,
+                                    load_if_exists=True)
+        if study.direction.name.lower() != self.direction:
+            raise ConfigError(f"study {study_name} in {storage_spec} was made to "
+                              f"{study.direction.name.lower()}, not to {self.direction}; use "
+                              f"another hydra.sweep.dir or hydra.sweeper.study_name")
+        pruner_cfg = OmegaConf.to_container(self.config.hydra.sweeper.pruner, resolve=True) \
+            if self.pruner is not None else None
+        study.set_user_attr(PRUNER_ATTR, pruner_cfg)  # what the trials judge with
+        log.info("study %s in %s: %d trials to run, %d at a time; sampler %s, pruner %s",
+                 study_name, storage_spec, to_go, self.n_jobs, type(self.sampler).__name__,
+                 type(self.pruner).__name__ if self.pruner is not None else "none")
+        while to_go > 0:
+            trials = [study.ask(distributions) for _ in range(min(self.n_jobs, to_go))]
+            numbers = [trial.number for trial in trials]
+            if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+                raise LabrunError(f"study {study_name} got trials {numbers} from another "
+                                  f"process; run one sweeper per study")
+            overrides = [self._overrides(trial, fixed, storage_spec, study_name)
+                         for trial in trials]
+            returns = self.launcher.launch(overrides, initial_job_idx=numbers[0])
+            failures = [failure for trial, ret in zip(trials, returns, strict=True)
+                        if (failure := self._tell(study, trial, ret)) is not None]
+            if failures and len(failures) / len(returns) > self.max_failure_rate:
+                raise LabrunError(f"{len(failures)} of {len(returns)} trials failed "
+                                  f"(hydra.sweeper.max_failure_rate={self.max_failure_rate}); "
+                                  f"first: {failures[0]}")
+            to_go -= len(trials)
+        self._report(study, sweep_dir)
 
-    @staticmethod
-    def _existing_study(storage: str, name: str):
+    # -- the study -----------------------------------------------------------------------------
+
+    def _storage_spec(self, sweep_dir: Path) -> str:
+        if not self.storage:
+            return str(sweep_dir / JOURNAL)
+        if "://" in self.storage:
+            return str(self.storage)
+        return str(Path(self.storage).expanduser().resolve())  # the jobs may run elsewhere
+
+    def _continue(self, storage: Any, study_name: str) -> int:
+        """An earlier run's study: requeue its cut-off trials; return its finished count."""
         import optuna
 
         try:
-            return optuna.load_study(study_name=name, storage=storage)
+            study = optuna.load_study(study_name=study_name, storage=storage)
         except KeyError:  # no study of that name yet
+            return 0
+        state = optuna.trial.TrialState
+        for trial in study.get_trials(deepcopy=False, states=(state.RUNNING, state.WAITING)):
+            if trial.state == state.RUNNING:  # its sweeper stopped while it ran
+                study.enqueue_trial(trial.params)
+                study.tell(trial.number, state=state.FAIL)
+        finished = len(study.get_trials(deepcopy=False, states=(state.COMPLETE, state.PRUNED)))
+        log.info("continuing study %s: %d trials finished, %d to go", study_name, finished,
+                 max(0, self.n_trials - finished))
+        return finished
+
+    def _overrides(self, trial: Any, fixed: list[str], storage: str, study: str) -> list[str]:
+        params = [f"{name}={value}" for name, value in trial.params.items()]
+        if self.pruner is None:
+            return [*fixed, *params]
+        return [*fixed, *params, f"{CALLBACK}._target_=labrun.train.pruning.OptunaPruning",
+                f"{CALLBACK}.storage={quoted(storage)}", f"{CALLBACK}.study_name={quoted(study)}",
+                f"{CALLBACK}.trial={trial.number}"]
+
+    @staticmethod
+    def _tell(study: Any, trial: Any, ret: JobReturn) -> str | None:
+        """Tell the study how the trial ended; return why it failed, or None."""
+        import optuna
+
+        state = optuna.trial.TrialState
+        status = RunDir(ret.working_dir).read_summary().get("status") if ret.working_dir else None
+        if status == "pruned":  # from the trial's own record: the pruner stopped it
+            study.tell(trial, state=state.PRUNED)
             return None
+        if ret.status == JobStatus.COMPLETED:
+            value = ret.return_value
+            if isinstance(value, int | float) and not math.isnan(value):
+                study.tell(trial, float(value))
+                return None
+            error = (f"trial {trial.number} returned {value!r}, not a number: does its "
+                     f"checkpoint.monitor appear in the validation metrics?")
+        else:
+            error = one_line(ret._return_value)  # the launcher's JobFailed: job, error, log
+        study.tell(trial, state=state.FAIL)
+        log.warning("trial %d failed: %s", trial.number, error)
+        return error
+
+    def _report(self, study: Any, sweep_dir: Path) -> None:
+        """Log the best trial and write it to SWEEP_DIR/optimization_results.yaml."""
+        try:
+            best = study.best_trial
+        except ValueError:  # no trial completed
+            log.warning("study %s: no trial completed", study.study_name)
+            return
+        OmegaConf.save(OmegaConf.create({"name": "optuna", "best_trial": best.number,
+                                         "best_params": best.params, "best_value": best.value}),
+                       sweep_dir / RESULTS)
+        log.info("best trial %d: %s %.4g with %s (%s)", best.number,
+                 OmegaConf.select(self.config, "checkpoint.monitor", default="objective"),
+                 best.value, " ".join(f"{k}={v}" for k, v in best.params.items()),
+                 sweep_dir / RESULTS)
+
+
+def quoted(value: str) -> str:
+    """A value as Hydra's override parser reads it back verbatim (a path may hold `=` or `,`)."""
+    quote = "'" if "'" not in value else '"'
+    return f"{quote}{value}{quote}"

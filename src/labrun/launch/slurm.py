@@ -37,6 +37,8 @@ from labrun.core import probes
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.core.project import PROJECT_DIR
 from labrun.launch import SLURM_COMMENT_PREFIX, sweep
+from labrun.runs import lock as run_lock
+from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, SweepDir, print_table, read_result
 
 POLL_S = 2.0
@@ -63,9 +65,17 @@ class SlurmLauncher(BaseSubmititLauncher):
             config.hydra.job.id = environment.job_id
             if environment.global_rank != 0:
                 config.hydra.output_subdir = None  # rank 0 alone writes .hydra/
-        return run_job(hydra_context=self.hydra_context, task_function=self.task_function,
-                       config=config, job_dir_key="hydra.sweep.dir",
-                       job_subdir_key="hydra.sweep.subdir")
+        # Rank 0 takes the job's run folder before run_job writes in it; the other tasks wait
+        # for it and end if another process holds the folder (runs/lock.py). A requeued job
+        # (same job id, higher SLURM_RESTART_COUNT) takes it from an attempt still ending.
+        held = run_lock.claim(RunDir(sweep.job_dir(config)).lock_path, environment.global_rank)
+        try:
+            return run_job(hydra_context=self.hydra_context, task_function=self.task_function,
+                           config=config, job_dir_key="hydra.sweep.dir",
+                           job_subdir_key="hydra.sweep.subdir")
+        finally:
+            if held is not None:
+                held.release()
 
     # -- in the submitting process -------------------------------------------------------------
 

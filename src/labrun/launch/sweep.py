@@ -7,6 +7,7 @@ labrun.runs.sweepdir.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
@@ -39,6 +40,16 @@ def plan(hydra_context: HydraContext, master: DictConfig,
     return jobs
 
 
+def job_dir(config: DictConfig) -> Path:
+    """A job's run folder, as run_job will make it (hydra.sweep.dir / hydra.sweep.subdir), for
+    taking its lock before run_job writes there."""
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(config)  # as run_job does first: ${hydra:...} resolves
+    return Path(os.path.abspath(os.path.join(str(config.hydra.sweep.dir),
+                                             str(config.hydra.sweep.subdir))))
+
+
 def completed_with_same_config(job_dir: Path, cfg: DictConfig) -> bool:
     run_dir = RunDir(job_dir)
     if not (run_dir.summary_path.is_file() and run_dir.config_path.is_file()):
@@ -54,7 +65,7 @@ def job_return(job: Job) -> JobReturn:
     """The JobReturn Hydra's sweepers expect: the objective, or the failure."""
     ret = JobReturn(overrides=job.overrides, cfg=job.config, working_dir=job.dir,
                     task_name="train")
-    if job.state in ("completed", "skipped"):
+    if job.state in ("completed", "skipped", "pruned"):  # a pruned trial ended as planned
         ret.status, ret.return_value = JobStatus.COMPLETED, job.metric
     else:
         ret.status = JobStatus.FAILED

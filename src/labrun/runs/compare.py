@@ -3,7 +3,8 @@
 Each row shows the overrides that differ between the runs (.hydra/overrides.yaml), the status,
 the best and final value of the metric, epochs and wall time; rows are sorted best first by
 --metric/--mode (default: the runs' checkpoint.monitor and checkpoint.mode), and runs that did
-not complete (failed, running, interrupted) come last with their status. The same table goes
+not complete (pruned by an Optuna search, failed, running, interrupted) come last with their
+status. The same table goes
 to the terminal (rich), to --csv and to --markdown; --plot draws learning curves and, for a
 sweep over one numeric parameter, the metric against that parameter.
 """

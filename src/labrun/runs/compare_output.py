@@ -20,7 +20,7 @@ from labrun.runs.rundir import is_metric_value
 if TYPE_CHECKING:  # compare imports this module; the type alone comes back
     from labrun.runs.compare import Run
 
-STATUS_STYLE = {"completed": "green", "failed": "red", "running": "yellow",
+STATUS_STYLE = {"completed": "green", "pruned": "blue", "failed": "red", "running": "yellow",
                 "interrupted": "magenta"}
 
 

@@ -16,7 +16,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -24,29 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from labrun.core import probes
-
-SECRET_NAME = re.compile(r"(key|token|secret|password|passwd|credential)", re.IGNORECASE)
-
+from labrun.core.secrets import redact
 
 # The files of a run's provenance/ folder (RunDir.provenance_dir).
 GIT, GIT_DIFF, PACKAGES = "git.json", "git.diff", "packages.txt"
 ENVIRONMENT, COMMAND = "environment.json", "command.json"
-
-
-def redact(arg: str) -> str:
-    """`wandb.api_key=abc` -> `wandb.api_key=<redacted>`; other arguments unchanged."""
-    name, sep, _ = arg.partition("=")
-    return f"{name}=<redacted>" if sep and SECRET_NAME.search(name) else arg
-
-
-def redact_tree(node: Any) -> Any:
-    """A config as plain containers, with the values of credential-like keys redacted."""
-    if isinstance(node, dict):
-        return {k: "<redacted>" if SECRET_NAME.search(str(k)) else redact_tree(v)
-                for k, v in node.items()}
-    if isinstance(node, list):
-        return [redact_tree(v) for v in node]
-    return node
 
 
 def _git(*args: str, cwd: Path) -> str | None:

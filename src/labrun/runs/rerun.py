@@ -17,7 +17,7 @@ from pathlib import Path
 
 from labrun.core.errors import LabrunError
 from labrun.core.project import PROJECT_DIR
-from labrun.runs import provenance
+from labrun.runs import lock, provenance
 from labrun.runs.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,12 @@ def differences(run_dir: Path) -> list[str]:
 def resume(run_dir: Path, extra: list[str]) -> int:
     """Continue the run in its own folder; the exit code of the training process."""
     run_dir = run_dir.resolve()
+    # Refused here, before starting Python again, when a live process trains in the folder;
+    # train.py takes the lock itself (a stale one is taken over there, in one line).
+    path = RunDir(run_dir).lock_path
+    holder = lock.read_holder(path)
+    if holder is not None and lock.stale_reason(holder, path, lock.me()) is None:
+        raise lock.RunLocked(lock.busy_message(path, holder))
     train, cwd = train_command(run_dir)
     command = [*train, *saved_overrides(run_dir), *extra, f"hydra.run.dir={run_dir}"]
     # The command goes to stdout, like rerun's: it is what this command produces.

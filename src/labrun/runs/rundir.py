@@ -4,7 +4,8 @@
       .hydra/config.yaml      the composed config, as Hydra saved it (unresolved)
       .hydra/overrides.yaml   the command-line overrides the run was started with
       train.log               Hydra's per-run log file
-      summary.json            status, started_at/ended_at, last/*, best/*, error, requeued
+      summary.json            status (STATUSES), started_at/ended_at, last/*, best/*, error,
+                              requeued, stopped_early
       metrics.jsonl           one JSON object per logged point: step, epoch, time, metrics
       metrics.csv             logger=csv only
       checkpoints/            step-NNNNNNNN.pt, last.pt, best.pt (train.checkpoint owns them)
@@ -12,9 +13,12 @@
       export/                 `labrun export`'s default output (deploy.export)
       errors/rank-N.txt       how a rank other than 0 failed
       ranks/rank-N.json       which process each rank was and the steps it took
+      .lock                   who trains here now (runs.lock owns its content)
 
 Writers: only global rank 0 writes summary.json and metrics.jsonl (`writer=False` on the other
-ranks makes every write a no-op); each rank writes its own errors/ and ranks/ file.
+ranks makes every write a no-op); each rank writes its own errors/ and ranks/ file. Every write
+first checks that this process still owns the folder (runs.lock.ensure_owner): a process whose
+lock was taken over stops without writing.
 The contracts (keys of summary.json, metric names) are in docs/ARCHITECTURE.md.
 """
 
@@ -32,9 +36,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from labrun.core.files import read_jsonl, write_json_atomic, write_text_atomic
+from labrun.runs.lock import ensure_owner
 
 # summary.json "status" values
-STATUSES = ("running", "completed", "failed", "interrupted")
+STATUSES = ("running", "completed", "pruned", "failed", "interrupted")
 
 
 def _clean(value: Any) -> Any:
@@ -104,6 +109,10 @@ class RunDir:
         return self.path / "ranks"
 
     @property
+    def lock_path(self) -> Path:
+        return self.path / ".lock"
+
+    @property
     def tensorboard_dir(self) -> Path:
         return self.path / "tensorboard"
 
@@ -143,9 +152,13 @@ class RunDir:
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
 
+    def _ensure_owner(self) -> None:
+        ensure_owner(self.lock_path)
+
     def update_summary(self, **values: Any) -> None:
         self.summary.update({k: _clean(v) for k, v in values.items()})
         if self.writer:
+            self._ensure_owner()
             self.path.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.summary_path, self.summary, durable=True)
 
@@ -158,6 +171,7 @@ class RunDir:
             return
         row = {"step": step, "epoch": epoch, "time": round(time.time(), 3)}
         row.update({k: _clean(v) for k, v in metrics.items()})
+        self._ensure_owner()
         self.path.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -167,6 +181,7 @@ class RunDir:
         if not self.writer or not self.metrics_path.exists():
             return
         keep = [row for row in self.read_metrics() if row.get("step", 0) <= step]
+        self._ensure_owner()
         write_text_atomic(self.metrics_path, "".join(json.dumps(row) + "\n" for row in keep))
 
     # -- what Hydra saved --------------------------------------------------------------------
@@ -205,10 +220,12 @@ class RunDir:
 
     # -- per-rank records --------------------------------------------------------------------
     def clear_rank_errors(self) -> None:
+        self._ensure_owner()
         for path in self.rank_error_files():
             path.unlink(missing_ok=True)
 
     def write_rank_error(self, rank: int, text: str) -> None:
+        self._ensure_owner()
         self.errors_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.errors_dir / f"rank-{rank}.txt", text.rstrip("\n") + "\n")
 
@@ -222,6 +239,7 @@ class RunDir:
         """ranks/rank-N.json: which process rank N was (host, PID) and how many optimizer steps
         it took itself in this segment. Every rank writes its own, so a run shows that all its
         processes trained; a resumed run replaces it with the new segment's."""
+        self._ensure_owner()
         self.ranks_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.ranks_dir / f"rank-{rank}.json", {
             "host": socket.gethostname(), "pid": os.getpid(), "rank": rank, **facts,

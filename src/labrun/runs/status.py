@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from labrun.runs.sweepdir import SweepDir, print_table, read_result
+from labrun.runs.sweepdir import ENDED, SweepDir, print_table, read_result
 
 
 def slurm_states(job_ids: list[str]) -> dict[str, str]:
@@ -37,7 +37,7 @@ def show(sweep_dir: Path) -> None:
     for job in jobs:
         summary = job.run_dir.read_summary()
         slurm = scheduler.get(job.job_id or "", "").lower()
-        if summary.get("status") in ("completed", "failed", "interrupted"):
+        if summary.get("status") in ENDED:  # pruned included: an Optuna search stopped it
             read_result(job)
         elif summary.get("status") == "running" and slurm in ("", "running", "requeued"):
             job.state = "running"  # its summary says so, and SLURM does not contradict it

@@ -26,6 +26,11 @@ from labrun.core.files import write_json_atomic
 from labrun.runs.rundir import RunDir
 
 MANIFEST = "jobs.json"
+# The summary.json statuses of a run that has ended ("pruned": an Optuna search stopped it early,
+# train/pruning.py; an outcome, not a failure).
+ENDED = ("completed", "pruned", "failed", "interrupted")
+# Jobs in these states need not run again.
+FINISHED = ("completed", "skipped", "pruned")
 
 
 @dataclass
@@ -33,7 +38,8 @@ class Job:
     num: int
     overrides: list[str]
     dir: str
-    state: str = "pending"  # pending | skipped | submitted | running | completed | failed | ...
+    # pending | skipped | submitted | running | completed | pruned | failed | interrupted | ...
+    state: str = "pending"
     job_id: str | None = None  # SLURM job id, or the local job's submitit id (its controller's pid)
     log: str | None = None
     gpus: str | None = None
@@ -99,7 +105,7 @@ def read_result(job: Job) -> None:
     if rank_errors:  # a rank other than 0 failed: SLURM may still say COMPLETED
         job.state = "failed"
         job.error = "; ".join(rank_errors)
-    elif status in ("completed", "failed", "interrupted"):
+    elif status in ENDED:
         if job.state != "skipped" or status != "completed":
             job.state = status
         job.error = summary.get("error") or job.error
@@ -130,7 +136,8 @@ def varying_overrides(jobs: list[Job]) -> dict[int, str]:
             for job, overrides in zip(jobs, lists, strict=True)}
 
 
-STYLE = {"completed": "green", "skipped": "green", "failed": "red", "interrupted": "yellow",
+STYLE = {"completed": "green", "skipped": "green", "pruned": "blue", "failed": "red",
+         "interrupted": "yellow",
          "cancelled": "yellow", "running": "cyan", "submitted": "cyan", "pending": "dim"}
 
 
@@ -144,13 +151,13 @@ def print_table(jobs: list[Job], title: str, console: Console | None = None) -> 
     labels = varying_overrides(jobs)
     for job in jobs:
         state = "completed (earlier)" if job.state == "skipped" else job.state
-        detail = job.error if job.error and job.state not in ("completed", "skipped") else ""
+        detail = job.error if job.error and job.state not in FINISHED else ""
         where = job.log or job.dir
         table.add_row(str(job.num), labels[job.num], f"[{STYLE.get(job.state, '')}]{state}",
                       "" if job.metric is None else f"{job.metric:.4f}", job.job_id or "",
                       f"{where}\n{detail}" if detail else where)
     console.print(table)
-    failed = [j for j in jobs if j.state not in ("completed", "skipped")]
+    failed = [j for j in jobs if j.state not in FINISHED]
     if failed:
         console.print(f"{len(failed)} of {len(jobs)} jobs did not complete; run the same "
                       f"command again (same hydra.sweep.dir) to finish only those.")

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
+
+# conf/hydra/job_logging/labrun.yaml's format for train.log
+FILE_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 class PlainHandler(logging.Handler):
@@ -36,3 +40,17 @@ def console_handler() -> logging.Handler:
         # No highlighting: metric lines read as written, as they did before logging.
         return RichHandler(show_path=False, markup=False, highlighter=NullHighlighter())
     return PlainHandler()
+
+
+def log_like_a_job(log_file: Path) -> None:
+    """Logging for a process Hydra did not configure (each rank that `trainer.devices=N`
+    starts): the same console handler and the run's train.log, appended to. Without it the
+    ranks' reports (rank 0's progress, "resuming from") would go nowhere."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    root.setLevel(logging.INFO)
+    root.addHandler(console_handler())
+    file = logging.FileHandler(log_file)
+    file.setFormatter(logging.Formatter(FILE_FORMAT))
+    root.addHandler(file)

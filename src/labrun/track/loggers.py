@@ -23,6 +23,7 @@ from labrun.core import probes
 from labrun.core.errors import one_line
 from labrun.data import call_target
 from labrun.runs.rundir import RunDir
+from labrun.track import wandb_history
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +112,12 @@ class WandbTracker:
                  mode: str = "auto", group: str | None = None, tags: list[str] | None = None):
         self.run = None
         self.run_id = run.resume_id
+        # Steps W&B already holds (an uploaded segment, an online run's server): not logged again.
+        self.held: set[int] = set()
         mode = wandb_mode(mode)
         if mode == "disabled":
             return
-        from labrun.runs.provenance import redact, redact_tree
+        from labrun.core.secrets import redact, redact_tree
 
         config = redact_tree(OmegaConf.to_container(run.cfg, resolve=True))
         config["overrides"] = [redact(o) for o in run.sweep.get("overrides", [])]
@@ -139,16 +142,26 @@ class WandbTracker:
             _warn(f"W&B could not start ({one_line(error)}); continuing with local metrics")
             return
         self.run_id = self.run.id
+        self.rows = wandb_history.StepRows(self.run)
+        try:
+            wandb_history.declare_step(self.run)
+            self.held = wandb_history.prepare(self.run, run_dir, run.resume_id is not None,
+                                              self.rows)
+        except Exception as error:  # noqa: BLE001
+            _warn(f"W&B could not log the earlier points again ({one_line(error)}); its history "
+                  f"may have holes, metrics.jsonl has them all")
         if mode == "offline":
             saved = self.run.dir.rsplit("/files", 1)[0]
             log.info(f"W&B offline: the run is saved in {saved}; upload it with: "
                      f"wandb sync {saved}")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.run is None:
+        if self.run is None or step in self.held:
             return
         try:
-            self.run.log(metrics, step=step)
+            # The x-axis is labrun's `step` (define_metric), not W&B's `_step`: a resumed run can
+            # then log points below the last step W&B holds (track/wandb_history.py).
+            self.rows.add(metrics, step)
         except Exception as error:  # noqa: BLE001
             _warn(f"W&B logging failed ({one_line(error)}); continuing with local metrics")
             self.run = None
@@ -157,6 +170,7 @@ class WandbTracker:
         if self.run is None:
             return
         try:
+            self.rows.flush()
             self.run.summary.update({k: v for k, v in summary.items() if v is not None})
             self.run.finish(exit_code=0 if status == "completed" else 1)
         except Exception as error:  # noqa: BLE001

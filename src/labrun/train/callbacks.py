@@ -10,7 +10,9 @@
 A callback subclasses `Callback` and overrides the hooks it needs; each hook gets the Trainer,
 whose attributes (epoch, step, best, model, optimizer, cfg, folder) it may read. A callback
 that wants training to end calls `trainer.request_stop(reason)`: the trainer stops at the end
-of that epoch, with status "completed" and the reason in summary.json (`stopped_early`).
+of that epoch, with status "completed" and the reason in summary.json (`stopped_early`);
+`request_stop(reason, status="pruned")` ends it as "pruned" instead (a search gave up on it:
+train/pruning.py, Optuna's pruning).
 
 What `state_dict()` returns is saved in every checkpoint (plain numbers, strings, lists and
 dicts: checkpoints load with weights_only=True) and handed back to `load_state_dict()` when
@@ -48,7 +50,7 @@ class Callback:
         trainer.epoch is the number of epochs done. Runs before that epoch's checkpoint."""
 
     def on_fit_end(self, trainer: Trainer, status: str) -> None:
-        """Once, whatever happened: status is completed, failed or interrupted."""
+        """Once, whatever happened: status is completed, pruned, failed or interrupted."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -28,6 +28,8 @@ import torch
 
 from labrun.core.errors import LabrunError
 from labrun.core.files import atomic_path
+from labrun.runs.lock import ensure_owner
+from labrun.runs.rundir import RunDir
 
 STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
 
@@ -96,6 +98,8 @@ class CheckpointManager:
                  keep_last: int = 3):
         self.folder = Path(folder)
         self.monitor, self.mode, self.keep_last = monitor, mode, keep_last
+        # The run folder's lock (runs/lock.py), checked before every write.
+        self.lock_path = RunDir(self.folder.parent).lock_path
 
     # -- deciding what is best -----------------------------------------------------------------
 
@@ -109,7 +113,9 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------------
 
     def save(self, state: CheckpointState, step: int, is_best: bool = False) -> Path:
-        """Write step-NNNNNNNN.pt, point last.pt (and best.pt if `is_best`) at it, prune."""
+        """Write step-NNNNNNNN.pt, point last.pt (and best.pt if `is_best`) at it, prune.
+        Nothing is written, and LockLost raised, if another process took the run folder over."""
+        ensure_owner(self.lock_path)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{step:08d}.pt"
         self._write_atomic(state, path)
@@ -123,6 +129,10 @@ class CheckpointManager:
         try:
             with atomic_path(path, durable=True) as tmp:
                 torch.save(state, tmp)
+                # Checked again after the save, which takes seconds for a large model: the
+                # window in which a displaced holder could still rename its file in is then
+                # only the fsync and the rename.
+                ensure_owner(self.lock_path)
         except OSError as error:
             previous = self.latest_path()
             kept = f"; the previous checkpoint {previous.name} is intact" if previous else ""

@@ -23,8 +23,10 @@ from labrun.config import facts
 from labrun.config import schema as config
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.core.project import PROJECT_DIR
+from labrun.runs import lock as run_lock
 from labrun.runs import provenance
 from labrun.runs.rundir import RunDir
+from labrun.track import console
 from labrun.track import loggers as tracking
 from labrun.train import distributed
 from labrun.train.checkpoint import CheckpointManager
@@ -39,6 +41,18 @@ MOVED_TARGETS = {"labrun.schedules.": "labrun.train.schedules."}
 
 def train(cfg: DictConfig) -> float | None:
     config.validate(cfg)
+    # Rank 0 holds the run folder (runs/lock.py): taken already by the Hydra callback or the
+    # launcher before Hydra wrote in it; taken here on any other way in (a Hydra launcher not
+    # labrun's, a call from Python). The processes started below inherit the right.
+    taken = run_lock.claim(RunDir(cfg.paths.run_dir).lock_path)
+    try:
+        return _train_run(cfg)
+    finally:
+        if taken is not None:
+            taken.release()
+
+
+def _train_run(cfg: DictConfig) -> float | None:
     launch = {"overrides": hydra_overrides(), "sweep": sweep_info()}
     if distributed.launched_as_one_process(cfg.trainer):
         # trainer.devices=N on one machine: N processes, started the way torchrun does.
@@ -56,6 +70,7 @@ def train_worker(cfg: DictConfig, launch: dict[str, Any]) -> dict[str, Any]:
     """One of the processes that `trainer.devices=N` starts. A stop or a user error comes back
     as a value, so that the parent prints it in one line (a raised one would reach the parent
     as the launcher's multi-line ChildFailedError)."""
+    console.log_like_a_job(RunDir(cfg.paths.run_dir).log_path)
     try:
         return {"objective": train_process(cfg, launch)}
     except RunInterrupted as error:

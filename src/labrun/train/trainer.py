@@ -105,6 +105,7 @@ class Trainer:
         self.best: float | None = None
         self.signals = StopSignals()
         self.stop_reason: str | None = None  # a callback ended training early (request_stop)
+        self.stop_status = "completed"  # ... and how the run then ends: completed or pruned
         self._eval_loaders: dict[str, Any] = {}
 
     # -- the loop ------------------------------------------------------------------------------
@@ -119,6 +120,9 @@ class Trainer:
             self.progress.message(f"resumed at epoch {self.epoch + 1}, step {self.step}")
         self._call("on_fit_start")
         resumed_from = self.step
+        # From here a stop signal checkpoints: summary.json saying "running" is what a
+        # supervisor (or a test) sees first.
+        restore_signals = self.signals.catch()
         self.folder.summary.pop("stopped_early", None)  # set again below if it still holds
         self.folder.update_summary(status="running", error=None, epoch=self.epoch, step=self.step,
                                    monitor=monitor, ended_at=None,
@@ -126,7 +130,6 @@ class Trainer:
                                    # SLURM's count of this job's requeues (preemption, node
                                    # failure), for `labrun status`.
                                    requeued=int(os.environ.get("SLURM_RESTART_COUNT", "0")))
-        restore_signals = self.signals.catch()
         status, error = "failed", None
         try:
             while self.epoch < trainer.max_epochs and self.stop_reason is None:
@@ -140,11 +143,11 @@ class Trainer:
             if self.stop_reason is not None:
                 self.progress.message(f"stopped early: {self.stop_reason}")
                 self.folder.update_summary(stopped_early=self.stop_reason)
-            if "test" in self.data.splits:
+            if "test" in self.data.splits and self.stop_status != "pruned":
                 self.test_best()
-            status = "completed"
+            status = self.stop_status if self.stop_reason is not None else "completed"
             best = "none" if self.best is None else f"{self.best:.4f}"
-            self.progress.message(f"completed: best {monitor} {best}; results in {self.folder.path}")
+            self.progress.message(f"{status}: best {monitor} {best}; results in {self.folder.path}")
             return self.best
         except (RunInterrupted, SystemExit):
             status = "interrupted"  # SystemExit: submitit requeued the job
@@ -289,9 +292,13 @@ class Trainer:
         return (images.contiguous(memory_format=self.memory_format),
                 labels.to(self.device, non_blocking=non_blocking))
 
-    def request_stop(self, reason: str) -> None:
-        """For callbacks: end training after this epoch, as completed, saying why."""
-        self.stop_reason = reason
+    def request_stop(self, reason: str, status: str = "completed") -> None:
+        """For callbacks: end training after this epoch, saying why. The run ends "completed"
+        (early stopping), or "pruned" (a hyper-parameter search gave up on it: no test split
+        evaluation, and its sweeper records the trial as pruned)."""
+        if status not in ("completed", "pruned"):
+            raise ValueError(f"request_stop: status must be completed or pruned, not {status}")
+        self.stop_reason, self.stop_status = reason, status
 
     def _call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks.values():
