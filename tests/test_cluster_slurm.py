@@ -53,6 +53,21 @@ def sweep_args(sweep_dir: Path, *overrides: str) -> list[str]:
             f"hydra.sweep.dir={sweep_dir}"]
 
 
+def requeue_with_usr2(sweep_dir: Path, proc: subprocess.Popen, job: int) -> None:
+    """Preempt job `job` of a running sweep with USR2 once it has a checkpoint at step 10
+    (USR2 may land anywhere in the steps left: a requeue from any later checkpoint must end
+    the same), then wait for the sweep; assert it ended well, requeued and resumed."""
+    # 180 s: submission, start-up and 10 steps, under a minute on a loaded machine, 3x that.
+    wait_for(sweep_dir / str(job) / "checkpoints" / "step-00000010.pt", proc, timeout=180)
+    job_id = manifest(sweep_dir)["jobs"][job]["job_id"]
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    # 300 s: the requeued job starts again and finishes three epochs, with room for load.
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    log = Path(manifest(sweep_dir)["jobs"][job]["log"]).read_text()
+    assert "SIGUSR2" in log and "resuming from" in log  # it was requeued, then resumed
+
+
 # timeout: a sweep here is two or three tiny jobs on the test cluster, each under a minute
 # on a loaded 2-core machine; 300 s only keeps a hung sweep from blocking the suite.
 def run_sweep(sweep_dir: Path, *overrides: str, timeout: int = 300):
@@ -151,17 +166,7 @@ def test_preempted_job_requeues_and_ends_with_identical_weights(tmp_path):
                  "checkpoint.every_n_steps=5", "+variant=plain,preempted"]
     proc = subprocess.Popen(sweep_args(tmp_path, *overrides), cwd=PROJECT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # 180 s: submission, start-up and 10 steps, under a minute on a loaded machine, 3x that.
-    wait_for(tmp_path / "1" / "checkpoints" / "step-00000010.pt", proc, timeout=180)
-    job_id = manifest(tmp_path)["jobs"][1]["job_id"]
-    # USR2 may land anywhere in the 56 steps left (many seconds): a requeue from any later
-    # checkpoint must end identical too.
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    # 300 s: the requeued job starts again and finishes three epochs, with room for load.
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output
-    log = Path(manifest(tmp_path)["jobs"][1]["log"]).read_text()
-    assert "SIGUSR2" in log and "resuming from" in log  # it was requeued, then resumed
+    requeue_with_usr2(tmp_path, proc, job=1)
     plain = torch.load(tmp_path / "0/checkpoints/last.pt", weights_only=True)["model"]
     preempted = torch.load(tmp_path / "1/checkpoints/last.pt", weights_only=True)["model"]
     assert_identical(preempted, plain)

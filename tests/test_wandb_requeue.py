@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
-from test_cluster_slurm import slurm, sweep_args  # noqa: F401 - the fixture fails without a cluster
+from test_cluster_slurm import (  # noqa: F401 - slurm: the fixture fails without a cluster
+    requeue_with_usr2,
+    slurm,
+    sweep_args,
+)
 from test_tracking import OFFLINE
 from test_wandb_history import WANDB_RUN, history_problems
 
-from conftest import PROJECT, manifest, wait_for
+from conftest import PROJECT
 
 pytestmark = pytest.mark.slurm
 
@@ -26,13 +29,5 @@ def test_a_requeued_job_resumes_into_a_whole_wandb_history(tmp_path):
     proc = subprocess.Popen(sweep_args(tmp_path, *overrides), cwd=PROJECT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, **OFFLINE})
-    # 180 s: submission, start-up and 10 steps, under a minute on a loaded machine, 3x that.
-    wait_for(tmp_path / "0" / "checkpoints" / "step-00000010.pt", proc, timeout=180)
-    job_id = manifest(tmp_path)["jobs"][0]["job_id"]
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    # 300 s: the requeued job starts again and finishes three epochs, with room for load.
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output
-    log = Path(manifest(tmp_path)["jobs"][0]["log"]).read_text()
-    assert "SIGUSR2" in log and "resuming from" in log  # it was requeued, then resumed
+    requeue_with_usr2(tmp_path, proc, job=0)
     assert history_problems(tmp_path / "0") == []
