@@ -21,4 +21,6 @@ cleanup() { [ "$cluster_started" = 1 ] && bash scripts/slurm_down.sh >/dev/null 
 trap cleanup EXIT
 
 # --durations: every run shows where the time goes.
-.venv/bin/python -m pytest --durations=25 "$@"
+# -n 2 --dist loadgroup: two workers (tests/conftest.py groups a file's tests, and all SLURM
+# tests, onto one worker); most tests wait on subprocesses, so two overlap well on two cores.
+.venv/bin/python -m pytest -n 2 --dist loadgroup --durations=25 "$@"

@@ -114,18 +114,20 @@ def fresh_run_token(monkeypatch):
 # they are not to run, and then the summary says so in one line.
 
 NO_SLURM = os.environ.get("LABRUN_NO_SLURM") == "1"
-_slurm_not_run: list[str] = []
+SLURM_SKIP_REASON = "LABRUN_NO_SLURM=1: the SLURM tests were asked not to run"
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected: count only what would run
 def pytest_collection_modifyitems(config, items):
-    if not NO_SLURM:
-        return
-    skip = pytest.mark.skip(reason="LABRUN_NO_SLURM=1: the SLURM tests were asked not to run")
+    skip = pytest.mark.skip(reason=SLURM_SKIP_REASON)
     for item in items:
-        if item.get_closest_marker("slurm"):
+        slurm = item.get_closest_marker("slurm") is not None
+        if slurm and NO_SLURM:
             item.add_marker(skip)
-            _slurm_not_run.append(item.nodeid)
+        # `make test` runs two pytest-xdist workers with --dist loadgroup: a file's tests stay
+        # on one worker (its module fixtures train once), and every SLURM test shares one
+        # worker, since they share one test cluster and some reconfigure it.
+        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
 
 
 def slurm_configured() -> bool:
@@ -135,8 +137,11 @@ def slurm_configured() -> bool:
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _slurm_not_run:
-        terminalreporter.write_line(f"SLURM: {len(_slurm_not_run)} SLURM tests did not run "
+    # Counted from the reports, which reach the controller from the xdist workers too.
+    not_run = [r for r in terminalreporter.stats.get("skipped", [])
+               if isinstance(r.longrepr, tuple) and SLURM_SKIP_REASON in str(r.longrepr[-1])]
+    if not_run:
+        terminalreporter.write_line(f"SLURM: {len(not_run)} SLURM tests did not run "
                                     f"(LABRUN_NO_SLURM=1)", yellow=True, bold=True)
 
 

@@ -35,7 +35,10 @@ def test_a_slurm_test_without_a_cluster_fails_instead_of_skipping():
 
 
 def test_labrun_no_slurm_skips_them_and_the_summary_says_so():
-    result = pytest_in_child(SLURM_TEST, env={"LABRUN_NO_SLURM": "1"})
+    # With the two xdist workers of `make test`: the skips happen in a worker, the summary is
+    # the controller's.
+    result = pytest_in_child("-n", "2", "--dist", "loadgroup", SLURM_TEST,
+                             env={"LABRUN_NO_SLURM": "1"})
     assert result.returncode == 0, result.stdout[-2000:]
     assert "SLURM: 1 SLURM tests did not run (LABRUN_NO_SLURM=1)" in result.stdout
     assert "1 skipped" in result.stdout.splitlines()[-1]
@@ -78,7 +81,8 @@ def test_a_good_bring_up_runs_pytest_with_durations(tmp_path):
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "LABRUN_NO_SLURM": "0"})
     assert result.returncode == 0, result.stderr
-    assert (project / "pytest-ran").read_text().split() == ["-m", "pytest", "--durations=25",
+    assert (project / "pytest-ran").read_text().split() == ["-m", "pytest", "-n", "2", "--dist",
+                                                            "loadgroup", "--durations=25",
                                                             "-k", "x"]
 
 
