@@ -18,9 +18,12 @@ PYTHON=${PYTHON:-python3}
     || missing+=(python3-dev)
 # Debian splits venv (and the ensurepip it needs) out of python3.
 "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+# `labrun monitor up` and tests/test_monitoring.py: the Prometheus server and promtool
+# (--no-install-recommends below: its recommends bring node-exporter and IPMI tools).
+command -v prometheus >/dev/null || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing ${missing[*]} (apt)"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -117,17 +117,21 @@ NO_SLURM = os.environ.get("LABRUN_NO_SLURM") == "1"
 SLURM_SKIP_REASON = "LABRUN_NO_SLURM=1: the SLURM tests were asked not to run"
 
 
-@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: count only what would run
+def pytest_itemcollected(item):
+    # `make test` runs two pytest-xdist workers with --dist loadgroup: a file's tests stay on one
+    # worker (its module fixtures train once), and every SLURM test shares one worker, since
+    # they share one test cluster and some reconfigure it. Marked here, as each test is
+    # collected, because xdist reads the marks in its pytest_collection_modifyitems.
+    slurm = item.get_closest_marker("slurm") is not None
+    item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
+
+
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason=SLURM_SKIP_REASON)
-    for item in items:
-        slurm = item.get_closest_marker("slurm") is not None
-        if slurm and NO_SLURM:
-            item.add_marker(skip)
-        # `make test` runs two pytest-xdist workers with --dist loadgroup: a file's tests stay
-        # on one worker (its module fixtures train once), and every SLURM test shares one
-        # worker, since they share one test cluster and some reconfigure it.
-        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
+    if NO_SLURM:
+        skip = pytest.mark.skip(reason=SLURM_SKIP_REASON)
+        for item in items:
+            if item.get_closest_marker("slurm"):
+                item.add_marker(skip)
 
 
 def slurm_configured() -> bool:

@@ -1,4 +1,5 @@
-"""`labrun bench --check`: measured figures -> verdicts -> exit status and one line per miss.
+"""`labrun bench --check`: measured figures -> verdicts -> one table of every figure, its
+baseline and its target -> exit status and one line per miss.
 
 The figures are injected here (the real benchmarks take minutes and their numbers depend on the
 machine); the smoke runs in test_data_bench.py measure for real.
@@ -16,7 +17,7 @@ from labrun.bench import data as bench_data
 from labrun.bench import serve as bench_serve
 from labrun.bench import trainer as bench_trainer
 from labrun.bench.data import DATA_TARGETS
-from labrun.bench.serve import SERVE_TARGETS
+from labrun.bench.serve import SERVE_TARGETS, serve_targets
 from labrun.bench.trainer import STARTUP_TARGETS, TRAINER_TARGETS
 
 REQUIRED_SPEEDUP = next(t for t in DATA_TARGETS if t.figure == "speedup").bound
@@ -24,7 +25,21 @@ REQUIRED_SPEEDUP = next(t for t in DATA_TARGETS if t.figure == "speedup").bound
 
 def data_figures(speedup: float, of_ceiling: float) -> dict[str, float]:
     return {"baseline": 1000.0, "hdf5": 1000.0 * speedup, "speedup": speedup,
-            "of_ceiling": of_ceiling}
+            "ceiling": 1000.0 * speedup / of_ceiling, "of_ceiling": of_ceiling}
+
+
+def serve_figures(errors: int = 0, to_ceiling: float = 1.0, gain: float = 1.0,
+                  p99_to_bound: float = 0.5) -> dict[str, float]:
+    return {"errors": errors, "served": 40.0 * to_ceiling, "ceiling": 40.0,
+            "ratio_to_ceiling": to_ceiling, "unbatched": 40.0 * to_ceiling / gain,
+            "ratio_batched_to_unbatched": gain, "p99_1_ms": 50.0 * p99_to_bound,
+            "bound_1_ms": 50.0, "p99_1_to_bound": p99_to_bound}
+
+
+def table_row(out: str, figure: str) -> str:
+    """The table's row of `figure` ("bench name"), as one line."""
+    (row,) = [line for line in out.splitlines() if f" {figure} " in line]
+    return row
 
 
 def test_a_missed_required_target_fails_the_check_and_is_named(capsys):
@@ -52,26 +67,50 @@ def test_a_missed_stretch_target_is_shown_but_does_not_fail_the_check(capsys):
     stretch = next(v for v in verdicts if v.target.figure == "of_ceiling")
     assert not stretch.met and not stretch.missed
     assert report(verdicts, check=True) == 0
-    assert "data of_ceiling: measured 0.1, target >= 0.75 (stretch, not checked): NOT met" \
-        in capsys.readouterr().out
+    row = table_row(capsys.readouterr().out, "data of_ceiling")
+    assert "stretch" in row and "NOT met (not checked)" in row and ">= 0.75" in row
 
 
 def test_without_check_a_miss_is_reported_but_exits_0(capsys):
     verdicts = judge("data", data_figures(REQUIRED_SPEEDUP / 2, 0.1), DATA_TARGETS)
     assert report(verdicts, check=False) == 0
     out = capsys.readouterr().out
-    assert "(required): NOT met" in out and "target missed" not in out
+    row = table_row(out, "data speedup")
+    assert "required" in row and "NOT met" in row and "not checked" not in row
+    assert "target missed" not in out
 
 
-@pytest.mark.parametrize("targets, figure", [(TRAINER_TARGETS, "ratio"),
-                                             (STARTUP_TARGETS, "difference_s"),
-                                             (SERVE_TARGETS, "errors")])
-def test_each_benchmark_fails_on_either_side_of_its_bound(targets, figure):
-    (target,) = targets
+def test_the_table_shows_each_figure_with_what_it_compares_and_its_target(capsys):
+    """A target's `of` puts the measured and baseline figures beside the judged one."""
+    figures = serve_figures(to_ceiling=0.9)
+    report(judge("serve", figures, SERVE_TARGETS), check=False)
+    row = table_row(capsys.readouterr().out, "serve ratio_to_ceiling")
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    assert cells == ["serve ratio_to_ceiling", "served 36.0", "ceiling 40.0", "0.9", ">= 0.95",
+                     "required", "NOT met"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_batching_gain_is_required_on_cuda_only(device, capsys):
+    verdicts = judge("serve", serve_figures(gain=1.1), serve_targets(device))
+    assert report(verdicts, check=True) == (1 if device == "cuda" else 0)
+    out = capsys.readouterr().out
+    row = table_row(out, "serve ratio_batched_to_unbatched")
+    assert "served 40.0" in row and "unbatched 36.4" in row and ">= 3" in row
+    if device == "cuda":
+        assert "target missed: serve ratio_batched_to_unbatched: measured 1.1, target >= 3" in out
+    else:
+        assert "on CUDA only; here: cpu" in row and "NOT met (not checked)" in row
+
+
+@pytest.mark.parametrize("target", [*TRAINER_TARGETS, *STARTUP_TARGETS,
+                                    *serve_targets("cuda")], ids=lambda t: t.figure)
+def test_each_benchmark_fails_on_either_side_of_its_bound(target):
     worse, better = (target.bound * 0.9, target.bound * 1.1) if target.op == ">=" else \
         (target.bound, target.bound - 0.5)
-    assert [v.met for v in judge("b", {figure: worse}, targets)] == [False]
-    assert [v.met for v in judge("b", {figure: better}, targets)] == [True]
+    parts = dict.fromkeys(target.of or (), 1.0)  # the figures it compares, for the table
+    assert [v.met for v in judge("b", {**parts, target.figure: worse}, [target])] == [False]
+    assert [v.met for v in judge("b", {**parts, target.figure: better}, [target])] == [True]
 
 
 def test_a_nan_figure_meets_no_target():
@@ -85,26 +124,28 @@ def test_a_figure_the_benchmark_did_not_measure_is_an_error():
 
 
 def fake_benchmarks(monkeypatch, speedup: float, ratio: float, difference_s: float,
-                    errors: int) -> None:
+                    errors: int, to_ceiling: float = 1.0) -> None:
     """Every benchmark's run function replaced by one that returns injected figures."""
     monkeypatch.setattr(bench_data, "run_data", lambda args: judge(
         "data", data_figures(speedup, 0.9), DATA_TARGETS))
     monkeypatch.setattr(bench_trainer, "run_trainer", lambda args: judge(
-        "trainer", {"ratio": ratio}, TRAINER_TARGETS))
+        "trainer", {"bare": 100.0, "session": 100.0 * ratio, "ratio": ratio}, TRAINER_TARGETS))
     monkeypatch.setattr(bench_trainer, "run_startup", lambda args: judge(
-        "startup", {"difference_s": difference_s}, STARTUP_TARGETS))
+        "startup", {"import_torch_s": 2.0, "first_step_s": 2.0 + difference_s,
+                    "difference_s": difference_s}, STARTUP_TARGETS))
     monkeypatch.setattr(bench_serve, "run", lambda args: judge(
-        "serve", {"errors": errors}, SERVE_TARGETS))
+        "serve", serve_figures(errors, to_ceiling), serve_targets("cpu")))
 
 
 def test_bench_all_check_through_the_cli_names_every_miss_and_exits_1(monkeypatch, capsys):
     fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP / 2, ratio=0.5, difference_s=9.0,
-                    errors=3)
+                    errors=3, to_ceiling=0.5)
     assert cli.main(["bench", "all", "--check"]) == 1
     out = capsys.readouterr().out
     missed = {line.split(":")[1].strip() for line in out.splitlines()
               if line.startswith("target missed:")}
-    assert missed == {"data speedup", "trainer ratio", "startup difference_s", "serve errors"}
+    assert missed == {"data speedup", "trainer ratio", "startup difference_s", "serve errors",
+                      "serve ratio_to_ceiling"}
     assert "target missed: startup difference_s: measured 9, target < 1.5" in out
 
 
@@ -112,7 +153,15 @@ def test_bench_all_check_through_the_cli_exits_0_when_all_are_met(monkeypatch, c
     fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP * 2, ratio=1.0, difference_s=0.5,
                     errors=0)
     assert cli.main(["bench", "all", "--check"]) == 0
-    assert "target missed" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "target missed" not in out
+    # One table at the end, with every benchmark's every target.
+    assert out.count("benchmark targets") == 1
+    table = out[out.index("benchmark targets"):]
+    for figure in ("data speedup", "data of_ceiling", "trainer ratio", "startup difference_s",
+                   "serve errors", "serve ratio_to_ceiling", "serve ratio_batched_to_unbatched",
+                   "serve p99_1_to_bound"):
+        assert f" {figure} " in table, figure
     assert cli.main(["bench", "all"]) == 0
 
 

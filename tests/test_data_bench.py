@@ -27,11 +27,13 @@ SMALL = argparse.Namespace(size=64, workers=2, passes=2, batch_size=8)  # labrun
 
 
 def test_bench_data_measures_every_pipeline_and_writes_json(tmp_path):
+    """With --decode-device cpu: labrun's pipelines decode batches in the main process (the
+    default, workers, is what the tests below build)."""
     out = tmp_path / "bench.json"
     result = run_labrun("bench", "data", "--images", "24", "--work-dir", str(tmp_path),
                         "--batch-size", "8", "--size", "64", "--seconds", "0.1", "--rounds", "1",
-                        "--passes", "2", "--device", "cpu", "--json", str(out), "--check",
-                        check=False)
+                        "--passes", "2", "--device", "cpu", "--decode-device", "cpu",
+                        "--json", str(out), "--check", check=False)
     figures = json.loads(out.read_text())
     assert set(figures) == {"baseline", "imagefolder", "hdf5", "ceiling", "speedup",
                             "of_ceiling"}
@@ -40,6 +42,8 @@ def test_bench_data_measures_every_pipeline_and_writes_json(tmp_path):
     assert "speedup    (3/1)" in result.stdout and "of_ceiling (3/4)" in result.stdout
     assert "can exceed 1" in result.stdout  # of_ceiling is not a fraction
     assert "normalised floats on cpu" in result.stdout
+    assert "labrun hdf5 + batched decode_jpeg on cpu" in result.stdout
+    assert "resnet50" not in figures  # timed only on a GPU
     # --check: exit 1 exactly when a required target is missed by the figures it wrote.
     missed = [t.figure for t in DATA_TARGETS if t.required and not t.met(figures[t.figure])]
     assert result.returncode == (1 if missed else 0), result.stdout + result.stderr

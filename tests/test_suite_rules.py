@@ -44,6 +44,17 @@ def test_labrun_no_slurm_skips_them_and_the_summary_says_so():
     assert "1 skipped" in result.stdout.splitlines()[-1]
 
 
+def test_a_files_tests_stay_on_one_xdist_worker():
+    """`make test`'s two workers keep a file's tests together (module fixtures train once) and
+    all SLURM tests on one worker (conftest.pytest_itemcollected). With pytest 9 and xdist 3.8
+    these groups were silently ignored and the tests spread over both workers."""
+    result = pytest_in_child("-n", "2", "--dist", "loadgroup", "-v", "tests/test_architecture.py",
+                             "-k", "upward or new_room", env={"LABRUN_NO_SLURM": "1"})
+    assert result.returncode == 0, result.stdout[-2000:]
+    workers = {line.split("]")[0] for line in result.stdout.splitlines() if "PASSED" in line}
+    assert len(workers) == 1 and "@tests/test_architecture.py" in result.stdout, result.stdout
+
+
 def fake_project(tmp_path: Path, slurm_up: str) -> Path:
     """A copy of scripts/test.sh beside a stand-in slurm_up.sh, slurm_down.sh and a .venv
     python that records that pytest was started, so the script's own logic runs for real

@@ -7,8 +7,10 @@
 Each benchmark is a configure(parser) + run(args) pair, named in BENCHES by module and
 function, so a new one joins with one line and without touching the others. run(args) returns
 judge(...) of its figures against its targets, which each module states once, in a *_TARGETS
-constant; this module prints the verdicts, and with --check exits 1 when a required target is
-missed (one line per miss: benchmark, figure, measured, target).
+constant (a Target's `of` names the measured and baseline figures it compares); report() prints
+one table of every verdict (figure, measured, baseline, value, target, met or NOT met; `all`
+prints one table for every benchmark at the end), and with --check exits 1 when a required
+target is missed (one line per miss: benchmark, figure, measured, target).
 
 The data benchmark is data.py; the `labrun bench` command's arguments are labrun.cli.bench.
 """
@@ -47,5 +49,6 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "startup": ("labrun.bench.trainer", "_startup",
                 "python train.py to its first step vs importing torch"),
     "serve": ("labrun.bench.serve", "",
-              "POST /predict through `labrun serve` vs the bare runtime"),
+              "POST /predict through `labrun serve` (dynamic batching) vs the bare runtime's "
+              "ceiling and vs --max-batch 1"),
 }

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("labrun.cli.convert", "convert an image folder to one HDF5 file"),
     "resume": ("labrun.cli.rerun", "resume an interrupted run in its own folder"),
     "rerun": ("labrun.cli.rerun", "reproduce a run from scratch in a new folder"),
-    "status": ("labrun.cli.status", "show the state of a sweep's jobs"),
+    "status": ("labrun.cli.status", "a sweep's or a run's jobs: state, metric, images/s, data wait, verdict"),
     "queue": ("labrun.cli.queue", "the SLURM cluster: GPUs in use, fair share, pending jobs"),
     "compare": ("labrun.cli.compare", "compare runs: table, csv, markdown, plot"),
     "configs": ("labrun.cli.configs", "check or diff configs for review"),
@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("labrun.cli.predict", "predict images offline with an exported model"),
     "doctor": ("labrun.cli.doctor", "check this machine's GPU/CUDA/NCCL/SLURM set-up"),
     "bench": ("labrun.cli.bench", "run the benchmarks"),
+    "monitor": ("labrun.cli.monitor", "Prometheus for the runs training now: targets, up"),
 }
 
 

@@ -31,5 +31,5 @@ def run(args: argparse.Namespace) -> int:
         configure_bench(defaults)
         print(f"== labrun bench {name}", flush=True)
         verdicts += run_bench(defaults.parse_args([]))
-    print("== targets")
+    print("== every benchmark's figures against its baseline and target", flush=True)
     return report(verdicts, args.check)

@@ -12,13 +12,14 @@ reads: each schema says which new keys it takes with its class attribute `new_ke
 Fields declared with `key(...)` carry their facts (a path? may it change on resume? does it change
 the result?) as metadata; config/facts.py derives every key list from them.
 
-About 420 lines, over the ~400 guideline: one short dataclass per config option plus the
+About 475 lines, over the ~400 guideline: one short dataclass per config option plus the
 validation of what types cannot say; split by group, the schemas would no longer read as the one
 table of every key labrun takes.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -85,6 +86,19 @@ class DistributedConfig:
 
 
 @dataclass
+class MonitorConfig:
+    """The run's Prometheus endpoint (track/metrics_endpoint.py) and the thresholds `labrun
+    status` judges a job's efficiency by. Watching a run changes nothing it computes."""
+
+    enabled: bool = True  # serve /metrics while training (monitor/node-N.json says where)
+    port: int = 0  # 0: a free port; a fixed port that is taken falls back to a free one
+    bind: str = "127.0.0.1"  # an IP address of this machine, or node: its address towards the SLURM controller
+    gpu_poll_s: float = 5.0  # how often NVML is read (perf/gpu_util, the GPU gauges)
+    data_bound_wait_frac: float = 0.3  # data-wait fraction above which a job is data-bound
+    gpu_idle_util: float = 0.3  # mean GPU utilisation below which a job's GPUs are idle
+
+
+@dataclass
 class TrainConfig:
     new_keys: ClassVar[NewKeys] = NewKeys.OPEN  # `+tag=x`: tests and people label runs
 
@@ -103,6 +117,7 @@ class TrainConfig:
     trainer: TrainerConfig = key(factory=TrainerConfig)
     checkpoint: CheckpointConfig = key(factory=CheckpointConfig)
     distributed: DistributedConfig = key(factory=DistributedConfig)
+    monitor: MonitorConfig = key(factory=MonitorConfig, resume_safe=True, affects_result=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +140,10 @@ class DatasetConfig:
     name: str = MISSING
     image_size: int = 224
     num_workers: int = key(2, resume_safe=True, affects_result=False)  # samples are seeded per index
+    # workers | cpu | cuda: where JPEGs are decoded; cpu and cuda decode whole batches in the
+    # main process (data/batched.py). Same crops and flips; pixels differ slightly (DCT scaling,
+    # nvJPEG's rounding): a result change, but a run may resume on a machine with another.
+    decode: str = key("workers", resume_safe=True)
     val_fraction: float = 0.1  # held out of train when the data has no val split
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
@@ -358,6 +377,7 @@ CHOICES = {
     "precision.name": ("fp32", "bf16", "fp16"),
     "logger.mode": ("auto", "online", "offline", "disabled"),
     "distributed.backend": ("auto", "nccl", "gloo"),
+    "dataset.decode": ("workers", "cpu", "cuda"),
 }
 POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
             "dataset.image_size", "optimizer.lr", "trainer.log_every_n_steps")
@@ -380,6 +400,10 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, dotted)
         if value is not None and value < 0:
             raise ConfigError(f"{dotted}={value} must be 0 or more")
+    if cfg.dataset.get("decode") == "cuda" and cfg.trainer.accelerator in ("cpu", "mps"):
+        raise ConfigError(f"dataset.decode=cuda puts batches on the GPU, but "
+                          f"trainer.accelerator={cfg.trainer.accelerator}; use "
+                          f"dataset.decode=cpu or workers")
     fraction = cfg.dataset.val_fraction
     if not 0 <= fraction < 1:
         raise ConfigError(f"dataset.val_fraction={fraction} must be in [0, 1)")
@@ -405,6 +429,31 @@ def validate(cfg: DictConfig) -> None:
     if resume not in ("auto", "never") and not Path(resume).is_file():
         raise ConfigError(
             f"checkpoint.resume={resume}: no such file; give a checkpoint path, auto or never")
+    _validate_monitor(cfg)
+
+
+def _validate_monitor(cfg: DictConfig) -> None:
+    monitor = cfg.get("monitor")
+    if monitor is None:
+        return
+    if not 0 <= monitor.port <= 65535:
+        raise ConfigError(f"monitor.port={monitor.port} must be in 0..65535 (0: a free port)")
+    if monitor.bind != "node":
+        try:
+            ipaddress.ip_address(monitor.bind)
+        except ValueError:
+            # A host name would be looked up in DNS on every node; an address says where.
+            raise ConfigError(
+                f"monitor.bind={monitor.bind} is not an IP address; use 127.0.0.1 (this "
+                f"machine only), node (this node's address towards the SLURM controller) or "
+                f"an address of this machine") from None
+    if not monitor.gpu_poll_s > 0:
+        raise ConfigError(f"monitor.gpu_poll_s={monitor.gpu_poll_s} must be greater than 0")
+    for name in ("data_bound_wait_frac", "gpu_idle_util"):
+        value = monitor[name]
+        if not 0 < value < 1:
+            raise ConfigError(f"monitor.{name}={value} must be a fraction in (0, 1), "
+                              f"e.g. 0.3")
 
 
 def _check_exists(cfg: DictConfig, key: str) -> None:

@@ -1,7 +1,9 @@
 """Datasets, samplers and loaders.
 
     build(cfg.dataset)  -> Data: one ImageSource per split (train, val, maybe test) + class names
-    Data.loader(split, ...)  -> a DataLoader of uint8 NCHW batches and int64 labels
+    Data.loader(split, ...)  -> a DataLoader of uint8 NCHW batches and int64 labels; with
+                                dataset.decode=cpu|cuda, one whose batches the main process
+                                decoded, already on that device (data/batched.py)
 
 A dataset format is a function named by `dataset._target_` (digits.load, hdf5.load, ... or a
 lab's own): it takes some of the dataset keys as keyword arguments (`path`, `image_size`...)
@@ -28,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labrun.core.errors import DataError
+from labrun.data import batched
 from labrun.data.sources import ImageSource, hold_out
 from labrun.data.transforms import TrainTransform, ValTransform
 
@@ -85,16 +88,29 @@ class Data:
                 f"{source.name} has {len(source)} samples, fewer than one optimizer step "
                 f"({samples_per_step * world_size}); lower trainer.batch_size")
         workers = self.cfg.num_workers
+        images = ImageDataset(source, self.transform(split), seed, split)
+        decode = self.cfg.get("decode", "workers")
+        batched_decode = decode != "workers"
         # The loader's own generator: creating an iterator must not draw from the global RNG,
         # or a resumed run (which creates its iterators at other times) would drift.
-        return DataLoader(ImageDataset(source, self.transform(split), seed, split),
-                          batch_size=micro_batch_size, sampler=sampler, num_workers=workers,
-                          persistent_workers=workers > 0, pin_memory=pin_memory,
-                          prefetch_factor=4 if workers > 0 else None,
-                          generator=torch.Generator().manual_seed(seed))
+        loader = DataLoader(batched.EncodedDataset(images) if batched_decode else images,
+                            batch_size=micro_batch_size, sampler=sampler, num_workers=workers,
+                            persistent_workers=workers > 0,
+                            # batched: nvJPEG copies the bytes itself; nothing to pin
+                            pin_memory=pin_memory and not batched_decode,
+                            prefetch_factor=4 if workers > 0 else None,
+                            collate_fn=batched.collate if batched_decode else None,
+                            generator=torch.Generator().manual_seed(seed))
+        if not batched_decode:
+            return loader
+        decoder = batched.BatchDecoder(images, batched.decode_device(decode))
+        return batched.DecodedLoader(loader, decoder)
 
 
 def build(cfg: DictConfig) -> Data:
+    decode = cfg.get("decode", "workers")
+    if decode != "workers":
+        batched.check_device(decode)  # before reading any data
     splits = call_target(cfg)
     if "val" not in splits:
         if cfg.val_fraction <= 0:
@@ -104,6 +120,8 @@ def build(cfg: DictConfig) -> Data:
     for split, source in splits.items():
         if len(source) == 0:
             raise DataError(f"{source.name}: the {split} split is empty; add images to it")
+    if decode != "workers":
+        batched.check(decode, splits)
     return Data(splits, cfg)
 
 
@@ -125,10 +143,13 @@ class ImageDataset(Dataset):
         except DataError:
             raise
         except Exception as error:
-            hint = getattr(self.source, "hint", None)
-            raise DataError(f"{self.split} sample {index} ({self.source.describe(index)}) "
-                            f"could not be loaded: {error}" + (f"; {hint}" if hint else "")
-                            ) from error
+            raise self.error(index, error) from error
+
+    def error(self, index: int, error: BaseException | str) -> DataError:
+        """The one line for sample `index` that could not be loaded: which file, and why."""
+        hint = getattr(self.source, "hint", None)
+        return DataError(f"{self.split} sample {index} ({self.source.describe(index)}) could "
+                         f"not be loaded: {error}" + (f"; {hint}" if hint else ""))
 
 
 class EpochSampler(Sampler):

@@ -79,6 +79,21 @@ def is_jpeg(data: bytes | np.ndarray) -> bool:
     return bytes(data[:3]) == JPEG_MAGIC
 
 
+def jpeg_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
+    """(height, width) of a whole RGB or grayscale JPEG, from its header; None for anything
+    else (other formats, CMYK, a file cut short or whose header does not parse), which the
+    batched decode (data/batched.py) leaves to the workers' decoders, as they name the file."""
+    if not is_jpeg(data) or bytes(data[-2:]) != b"\xff\xd9":
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as image:  # reads the header, decodes nothing
+            if image.format == "JPEG" and image.mode in ("RGB", "L"):
+                return image.height, image.width
+    except (OSError, ValueError, SyntaxError):  # Pillow's errors for a damaged header
+        pass
+    return None
+
+
 def decode_pil(data: bytes | np.ndarray) -> np.ndarray:
     try:
         image = Image.open(io.BytesIO(data))

@@ -135,6 +135,7 @@ class HDF5Source:
     def __init__(self, index: FileIndex, split: str, decoder: str):
         self.path, self.split, self.decoder = index.path, split, decoder
         self.storage, self.shape = index.storage, index.shape
+        self.holds_jpeg = self.storage == "jpeg"  # convert stores every image as a JPEG
         self.offsets, self.labels = index.splits[split].offsets, index.splits[split].labels
         self.class_names = index.class_names
         self.name = f"{self.path}:/{split}"

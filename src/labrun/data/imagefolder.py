@@ -7,6 +7,7 @@ and test use the same mapping. `scan` is shared with `labrun convert`.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from labrun.core.errors import DataError
 from labrun.data.decode import IMAGE_SUFFIXES, JpegImage, decode, open_image, resolve
 
 SPLITS = ("train", "val", "test")
+JPEG_SUFFIXES = frozenset({b".jpg", b".jpeg", b".jpe"})
 
 
 @dataclass
@@ -101,6 +103,14 @@ class FolderSource:
 
     def path(self, index: int) -> Path:
         return self.folder / os.fsdecode(self.files[index])
+
+    @functools.cached_property
+    def holds_jpeg(self) -> bool:
+        """Whether any image is a JPEG file (by its name): only asked by dataset.decode=cpu|cuda."""
+        return any(os.path.splitext(f)[1].lower() in JPEG_SUFFIXES for f in self.files)
+
+    def read(self, index: int) -> bytes:
+        return self.path(index).read_bytes()
 
     def load(self, index: int, min_size: int | None = None) -> np.ndarray:
         return decode(self.path(index).read_bytes(), self.decoder, min_size)

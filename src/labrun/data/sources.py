@@ -12,6 +12,8 @@ Every source has:
                  region a transform crops from it (labrun.data.decode)
     describe(i)  where image i comes from, for error messages ("digits/train[12]", a file path)
     hint         optional: what to do about a sample that cannot be read, added to the error
+    holds_jpeg   optional (default False): its images are stored as JPEG files, whose bytes
+    read(i)      gives; what dataset.decode=cpu|cuda (data/batched.py) needs
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ArraySource:
                  class_names: list[str] | None = None):
         self.images, self.labels, self.name = images, np.asarray(labels, dtype=np.int64), name
         self.class_names = list(class_names or [str(c) for c in range(int(self.labels.max()) + 1)])
+        self.holds_jpeg = False  # decoded pixels
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -66,6 +69,13 @@ class SubsetSource:
         self.labels = source.labels[self.indices]
         self.class_names = source.class_names
         self.hint = getattr(source, "hint", None)
+
+    @property
+    def holds_jpeg(self) -> bool:
+        return getattr(self.source, "holds_jpeg", False)
+
+    def read(self, index: int) -> bytes | np.ndarray:
+        return self.source.read(int(self.indices[index]))
 
     def __len__(self) -> int:
         return len(self.indices)

@@ -14,6 +14,7 @@ SPLIT_SEEDS = {"train": 1, "val": 2, "test": 3}
 class SyntheticSource:
     def __init__(self, split: str, size: int, num_classes: int, image_size: int):
         self.name, self.split, self.image_size = f"synthetic/{split}", split, image_size
+        self.holds_jpeg = False  # pixels made on demand
         self.class_names = [str(c) for c in range(num_classes)]
         self.colours = np.random.default_rng(0).integers(40, 216, size=(num_classes, 3))
         self.labels = np.random.default_rng(SPLIT_SEEDS[split]).integers(0, num_classes, size)

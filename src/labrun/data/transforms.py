@@ -12,12 +12,17 @@ channels-last uint8 that is several times faster than OpenCV's INTER_AREA.
 An image is pixels or a JpegImage (labrun.data.decode), which is known by its size alone until
 the crop is chosen and then decodes only that region: the box is sampled from the full-size
 dimensions either way, so both give the same crops.
+
+A transform's box() is where it draws its randomness (the crop, the flip): dataset.decode=cpu|cuda
+(data/batched.py) draws the same boxes in the workers from the header's size alone, and crops
+and resizes in the main process after decoding the whole batch there.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,6 +54,22 @@ def crop(image: Image, top: int, left: int, height: int, width: int, min_size: i
     if isinstance(image, JpegImage):
         return image.crop(top, left, height, width, min_size)
     return image[top:top + height, left:left + width]
+
+
+class Box(NamedTuple):
+    """A transform's region of an image, in the image's own pixels, and whether to mirror it."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    flip: bool
+
+
+def apply_box(image: Image, box: Box, size: int) -> torch.Tensor:
+    """uint8 CxSxS: the box's region resized to size x size, mirrored if box.flip."""
+    out = resize_region(image, box.top, box.left, box.height, box.width, size, size)
+    return out.flip(2) if box.flip else out
 
 
 def random_resized_crop_box(height: int, width: int, rng: np.random.Generator,
@@ -96,13 +117,15 @@ class TrainTransform:
     def crop_box(self, height: int, width: int, rng: np.random.Generator):
         return random_resized_crop_box(height, width, rng, self.scale, self.ratio)
 
+    def box(self, height: int, width: int, rng: np.random.Generator) -> Box:
+        """The crop and flip for an image of this size: the only draws from `rng`, shared with
+        the batched decode (data/batched.py), which must crop exactly as the workers do."""
+        top, left, h, w = self.crop_box(height, width, rng)
+        return Box(top, left, h, w, bool(self.hflip and rng.random() < 0.5))
+
     def __call__(self, image: Image, rng: np.random.Generator) -> torch.Tensor:
         image = as_rgb(image)
-        top, left, h, w = self.crop_box(image.shape[0], image.shape[1], rng)
-        out = resize_region(image, top, left, h, w, self.size, self.size)
-        if self.hflip and rng.random() < 0.5:
-            out = out.flip(2)
-        return out
+        return apply_box(image, self.box(image.shape[0], image.shape[1], rng), self.size)
 
 
 @dataclass
@@ -116,6 +139,9 @@ class ValTransform:
     def min_size(self) -> int:
         """The resized short side: a decoder may scale down to it at no cost in detail."""
         return math.ceil(self.size / self.resize_ratio)
+
+    def box(self, height: int, width: int, rng: np.random.Generator | None = None) -> Box:
+        return Box(*center_crop_box(height, width, self.size, self.resize_ratio), flip=False)
 
     def __call__(self, image: Image, rng: np.random.Generator | None = None) -> torch.Tensor:
         return center_crop(as_rgb(image), self.size, self.resize_ratio)

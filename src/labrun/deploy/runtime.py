@@ -88,7 +88,9 @@ def decode_image(data: bytes, decoder: str = "turbojpeg", min_size: int | None =
 
 
 # ---------------------------------------------------------------------------------------------
-# Runtimes: each maps a normalised float NCHW array to logits (N, num_classes) as float32.
+# Runtimes: each maps a normalised float NCHW array (any batch size N: exported models have a
+# dynamic batch axis) to logits (N, num_classes) as float32; its `device` attribute says where
+# the model runs ("cuda" or "cpu").
 
 
 def onnx_runtime(path: Path, threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
@@ -113,6 +115,7 @@ def onnx_runtime(path: Path, threads: int | None = None) -> Callable[[np.ndarray
     def run(batch: np.ndarray) -> np.ndarray:
         return session.run(None, {input_name: batch})[0].astype(np.float32, copy=False)
 
+    run.device = "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
     return run
 
 
@@ -136,6 +139,7 @@ def torchscript_runtime(path: Path, threads: int | None = None
             logits = module(torch.from_numpy(batch).to(device))
         return logits.float().cpu().numpy()
 
+    run.device = device
     return run
 
 
@@ -165,6 +169,11 @@ class Predictor:
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+    @property
+    def device(self) -> str:
+        """Where the model runs: "cuda" or "cpu"."""
+        return self.runtime.device
 
     def decode(self, data: bytes) -> np.ndarray:
         """Image bytes -> uint8 HxWx3, with the run's decoder, as its val loader decodes them

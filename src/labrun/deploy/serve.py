@@ -4,6 +4,7 @@
     POST /predict/batch?k=5   multipart fields `files` -> {"results": [{"filename", "top"}, ...]}
     GET  /health              {"status": "ok", ...}
     GET  /metadata            the metadata JSON written by `labrun export`
+    GET  /metrics             Prometheus metrics, of all --workers (labrun.deploy.serve_metrics)
 
 MODEL is an exported .onnx or .pt file (with its metadata JSON), a run folder or a checkpoint
 (exported to ONNX in a temp folder first). Preprocessing is labrun.deploy.runtime's, the same as
@@ -11,10 +12,17 @@ validation. A bad request (no file, not an image, truncated, too big, a path as 
 4xx answer with {"error": "..."} and never takes the server down. Request bodies stop at
 --max-upload-mb, and a client that has not sent a whole request head within --header-timeout
 seconds is disconnected (HeaderDeadlineProtocol), so slow clients cannot hold every connection.
+
+Dynamic batching: each request's image is decoded and preprocessed in the thread pool, then
+concurrent requests' images (those of /predict/batch too) share one model call of up to
+--max-batch images, gathered for at most --max-delay-ms after the first (labrun.deploy.batching);
+the model runs in its own thread, off the event loop, and each caller gets its own answer.
+Each answer's X-Batch-Size header says how many images its model call took.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import ipaddress
 import json
@@ -24,14 +32,17 @@ import socket
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Annotated, Any
 
-from fastapi import FastAPI, File, HTTPException, Query, Request, UploadFile
+import numpy as np
+import torch
+from fastapi import FastAPI, File, HTTPException, Query, Request, Response, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from labrun.core.errors import LabrunError
-from labrun.deploy import load
+from labrun.core.errors import LabrunError, one_line
+from labrun.deploy import batching, load, serve_metrics
 from labrun.deploy import runtime as inference
 
 log = logging.getLogger(__name__)
@@ -53,6 +64,12 @@ TopK = Annotated[int, Query(ge=1, le=1000, description="how many classes to retu
 ENV_MODEL, ENV_MAX_BYTES, ENV_THREADS = ("LABRUN_SERVE_MODEL", "LABRUN_SERVE_MAX_UPLOAD_BYTES",
                                          "LABRUN_SERVE_THREADS")
 ENV_HEADER_TIMEOUT = "LABRUN_SERVE_HEADER_TIMEOUT_S"
+# Dynamic batching's defaults (labrun.deploy.batching says how they were measured).
+MAX_BATCH, MAX_DELAY_MS = batching.MAX_BATCH, batching.MAX_DELAY_MS
+ENV_MAX_BATCH, ENV_MAX_DELAY_MS = "LABRUN_SERVE_MAX_BATCH", "LABRUN_SERVE_MAX_DELAY_MS"
+# On each answer: how many images the model call that answered it took (/predict/batch: one
+# number per file, in order), to see batching at work from a client.
+BATCH_SIZE_HEADER = "X-Batch-Size"
 
 
 
@@ -61,7 +78,8 @@ ENV_HEADER_TIMEOUT = "LABRUN_SERVE_HEADER_TIMEOUT_S"
 
 def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1,
           max_upload_mb: float = 10.0, header_timeout: float = HEADER_TIMEOUT_S,
-          log_level: str = "info") -> int:
+          log_level: str = "info", max_batch: int = MAX_BATCH,
+          max_delay_ms: float = MAX_DELAY_MS) -> int:
     """Serve MODEL until the server is stopped (Ctrl-C, SIGTERM)."""
     import uvicorn
 
@@ -71,17 +89,23 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
         raise LabrunError(f"--max-upload-mb={max_upload_mb} must be greater than 0")
     if header_timeout <= 0:
         raise LabrunError(f"--header-timeout={header_timeout} must be greater than 0")
+    if max_batch < 1:
+        raise LabrunError(f"--max-batch={max_batch} must be 1 or more (1: no batching)")
+    if max_delay_ms < 0:
+        raise LabrunError(f"--max-delay-ms={max_delay_ms:g} must be 0 or more")
     check_port(host, port)
     max_bytes = int(max_upload_mb * 2**20)
     threads = inference.default_threads(workers)
     predictor, tmp = load.load(model, threads)
+    metrics_folder = serve_metrics.prepare(workers)  # before uvicorn starts the workers
     try:
         meta = predictor.metadata
         if not is_loopback(host):
             log.warning("warning: binding %s: the server is reachable from other machines "
                         "and has no authentication", host)
         log.info("serving %s (%s, %d classes, %s px) on http://%s:%d  POST /predict, "
-                 "POST /predict/batch, GET /health, GET /metadata", model, meta["format"],
+                 "POST /predict/batch, GET /health, GET /metadata, GET /metrics", model,
+                 meta["format"],
                  predictor.num_classes, meta["image_size"], host, port)
         os.environ[ENV_HEADER_TIMEOUT] = str(header_timeout)  # for every worker process
         # The protocol by name: a worker process then imports labrun.deploy.serve when its server
@@ -91,11 +115,13 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
                       limit_concurrency=MAX_CONCURRENCY,
                       http=f"{__name__}:{HeaderDeadlineProtocol.__name__}")
         if workers == 1:
-            uvicorn.run(create_app(predictor, max_bytes), **common)
+            uvicorn.run(create_app(predictor, max_bytes, max_batch=max_batch,
+                                   max_delay_ms=max_delay_ms), **common)
         else:
             # Each worker process builds its own app from the (exported) model file.
             os.environ.update({ENV_MODEL: str(predictor.model_path), ENV_MAX_BYTES: str(max_bytes),
-                               ENV_THREADS: str(threads)})
+                               ENV_THREADS: str(threads), ENV_MAX_BATCH: str(max_batch),
+                               ENV_MAX_DELAY_MS: str(max_delay_ms)})
             del predictor
             if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters:
                 common["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_TIMEOUT_S
@@ -103,6 +129,7 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
                         **common)
     finally:
         load.remove_folder(tmp)
+        serve_metrics.cleanup(metrics_folder)
     return 0
 
 
@@ -154,7 +181,9 @@ class HeaderDeadlineProtocol(H11Protocol):
 def app_from_env():
     """uvicorn's app factory for --workers N: each worker loads the model once."""
     predictor = inference.Predictor(os.environ[ENV_MODEL], int(os.environ[ENV_THREADS]))
-    return create_app(predictor, int(os.environ[ENV_MAX_BYTES]))
+    return create_app(predictor, int(os.environ[ENV_MAX_BYTES]),
+                      max_batch=int(os.environ[ENV_MAX_BATCH]),
+                      max_delay_ms=float(os.environ[ENV_MAX_DELAY_MS]))
 
 
 def check_port(host: str, port: int) -> None:
@@ -180,9 +209,20 @@ def is_loopback(host: str) -> bool:
 # The application
 
 
-def create_app(predictor: inference.Predictor, max_upload_bytes: int):
+def create_app(predictor: inference.Predictor, max_upload_bytes: int, *,
+               max_batch: int = MAX_BATCH, max_delay_ms: float = MAX_DELAY_MS):
+    # Every model call goes through the batcher, --max-batch 1 included (then one image a call).
+    batcher = batching.Batcher(lambda images: predictor.logits(torch.stack(images)),
+                               max_batch=max_batch, max_delay_ms=max_delay_ms)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        yield
+        await batcher.close()  # after uvicorn has answered the requests in flight
+
     app = FastAPI(title="labrun serve", version=str(predictor.metadata.get("versions", {})
-                                                    .get("labrun", "")))
+                                                    .get("labrun", "")), lifespan=lifespan)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -201,26 +241,48 @@ def create_app(predictor: inference.Predictor, max_upload_bytes: int):
     def metadata() -> dict[str, Any]:
         return predictor.metadata
 
-    # Plain `def` endpoints: FastAPI runs them in its thread pool, where decoding and
-    # onnxruntime release the GIL, so concurrent requests use every core.
+    # Decoding and preprocessing run per request in the thread pool, where the decoders release
+    # the GIL, so concurrent requests use every core; a bad image fails its own request there,
+    # before the batcher sees it. The model call is the batcher's.
+    def prepare(uploads: list[UploadFile], fields: list[str]) -> list[torch.Tensor]:
+        return [predictor.preprocess(read_upload(predictor, upload, field))
+                for upload, field in zip(uploads, fields, strict=True)]
+
     @app.post("/predict")
-    def predict(file: Annotated[UploadFile, File(description="the image")],
-                k: TopK = 5) -> dict[str, Any]:
-        image = read_upload(predictor, file, "file")
-        return {"top": predictor.predict([image], k)[0]}
+    async def predict(file: Annotated[UploadFile, File(description="the image")],
+                      response: Response, k: TopK = 5) -> dict[str, Any]:
+        images = await run_in_threadpool(prepare, [file], ["file"])
+        logits, batch_size = await infer(batcher.submit(images[0]))
+        response.headers[BATCH_SIZE_HEADER] = str(batch_size)
+        return {"top": predictor.top_k(logits[None], k)[0]}
 
     @app.post("/predict/batch")
-    def predict_batch(files: Annotated[list[UploadFile], File(description="the images")],
-                      k: TopK = 5) -> dict[str, Any]:
+    async def predict_batch(files: Annotated[list[UploadFile], File(description="the images")],
+                            response: Response, k: TopK = 5) -> dict[str, Any]:
         if len(files) > MAX_BATCH_FILES:
             raise HTTPException(413, f"{len(files)} files; send at most {MAX_BATCH_FILES} "
                                      f"per batch")
-        images = [read_upload(predictor, f, f"files[{i}]") for i, f in enumerate(files)]
-        tops = predictor.predict(images, k)
+        images = await run_in_threadpool(prepare, files,
+                                         [f"files[{i}]" for i in range(len(files))])
+        answers = await infer(batcher.submit_many(images))
+        response.headers[BATCH_SIZE_HEADER] = ",".join(str(size) for _, size in answers)
+        tops = predictor.top_k(np.stack([logits for logits, _ in answers]), k)
         return {"results": [{"filename": f.filename, "top": top}
                             for f, top in zip(files, tops, strict=True)]}
 
-    return UploadLimit(app, max_upload_bytes)
+    return serve_metrics.ServeMetrics(UploadLimit(app, max_upload_bytes), app.routes,
+                                      model=predictor.model_path.name,
+                                      model_format=predictor.metadata["format"])
+
+
+async def infer(pending):
+    """A batcher's answer; its failure as this request's 5xx (the server goes on)."""
+    try:
+        return await pending
+    except batching.BatcherClosed:
+        raise HTTPException(503, "the server is shutting down; try again") from None
+    except Exception as error:  # noqa: BLE001 - the model failed on this request's batch
+        raise HTTPException(500, f"inference failed: {one_line(error)}") from None
 
 
 def read_upload(predictor: inference.Predictor, upload: UploadFile, field: str):

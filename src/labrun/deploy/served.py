@@ -2,6 +2,7 @@
 
     with serving(model, log_file) as served:
         httpx.get(f"{served.url}/health")
+        httpx.get(served.metrics_url)       # its Prometheus metrics
 
 It starts the real command (python -m labrun.cli serve), so what is measured or tested is what
 a user runs; it imports neither FastAPI nor the model.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labrun.core.errors import LabrunError
+from labrun.deploy.serve_metrics import METRICS_PATH
 
 
 @dataclass
@@ -26,6 +28,11 @@ class Served:
     url: str
     port: int
     process: subprocess.Popen
+
+    @property
+    def metrics_url(self) -> str:
+        """Where Prometheus scrapes the server (labrun.deploy.serve_metrics)."""
+        return f"{self.url}{METRICS_PATH}"
 
 
 def free_port() -> int:

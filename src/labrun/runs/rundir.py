@@ -13,12 +13,14 @@
       export/                 `labrun export`'s default output (deploy.export)
       errors/rank-N.txt       how a rank other than 0 failed
       ranks/rank-N.json       which process each rank was and the steps it took
+      monitor/node-N.json     where node N's Prometheus endpoint listens (track.metrics_endpoint)
       .lock                   who trains here now (runs.lock owns its content)
 
 Writers: only global rank 0 writes summary.json and metrics.jsonl (`writer=False` on the other
-ranks makes every write a no-op); each rank writes its own errors/ and ranks/ file. Every write
-first checks that this process still owns the folder (runs.lock.ensure_owner): a process whose
-lock was taken over stops without writing.
+ranks makes every write a no-op); each rank writes its own errors/ and ranks/ file, and the
+rank serving a node's metrics endpoint its monitor/ file. Every write first checks that this
+process still owns the folder (runs.lock.ensure_owner): a process whose lock was taken over
+stops without writing.
 The contracts (keys of summary.json, metric names) are in docs/ARCHITECTURE.md.
 """
 
@@ -107,6 +109,13 @@ class RunDir:
     @property
     def ranks_dir(self) -> Path:
         return self.path / "ranks"
+
+    @property
+    def monitor_dir(self) -> Path:
+        return self.path / "monitor"
+
+    def monitor_endpoint_path(self, node_rank: int) -> Path:
+        return self.monitor_dir / f"node-{node_rank}.json"
 
     @property
     def lock_path(self) -> Path:
@@ -247,3 +256,22 @@ class RunDir:
 
     def rank_records(self) -> list[dict[str, Any]]:
         return [json.loads(p.read_text()) for p in sorted(self.ranks_dir.glob("rank-*.json"))]
+
+    # -- monitor/ ----------------------------------------------------------------------------
+    def write_monitor_endpoint(self, node_rank: int, endpoint: dict[str, Any]) -> None:
+        """monitor/node-N.json: where node N's metrics endpoint listens (its content is
+        track.metrics_endpoint's, the contract in docs/ARCHITECTURE.md). Written by the rank
+        that serves it, which is not always rank 0: like ranks/, whatever `writer` says."""
+        self._ensure_owner()
+        self.monitor_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.monitor_endpoint_path(node_rank), endpoint)
+
+    def monitor_endpoints(self) -> list[dict[str, Any]]:
+        """Every monitor/node-N.json, in node order (an unreadable one is left out)."""
+        found = []
+        for path in sorted(self.monitor_dir.glob("node-*.json")):
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError):
+                continue
+        return sorted(found, key=lambda e: e.get("node_rank", 0))

@@ -1,17 +1,51 @@
-"""`labrun status SWEEP_DIR`: each job of a sweep, its state and its metric, now.
+"""`labrun status SWEEP_DIR|RUN_DIR [--json]`: each job of a sweep, or the one run of a run
+folder: its state, its metric and how well it uses its hardware, now.
 
 Works for detached SLURM sweeps (`cluster.detach=true`) and for local ones: the job list comes
 from the sweep's jobs.json, the state from each job's own summary.json, and, for SLURM jobs
-that have not written a result yet, from sacct.
+that have not written a result yet, from sacct. The figures (images/s, data-wait fraction, GPU
+utilisation) and the verdict with its fix come from each run folder (runs/efficiency.py).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from labrun.runs.sweepdir import ENDED, SweepDir, print_table, read_result
+from labrun.core.errors import LabrunError
+from labrun.runs.efficiency import Efficiency, measure
+from labrun.runs.rundir import RunDir
+from labrun.runs.sweepdir import ENDED, MANIFEST, Job, SweepDir, print_table, read_result
+
+
+@dataclass
+class Status:
+    path: Path
+    kind: str  # "sweep" | "run"
+    backend: str | None  # the sweep's launcher: local | slurm (None for a run folder)
+    jobs: list[Job]
+    efficiency: dict[int, Efficiency]  # job num -> its figures
+
+    @property
+    def title(self) -> str:
+        if self.kind == "sweep":
+            return f"sweep {self.path} ({self.backend})"
+        return f"run {self.path}"
+
+    def as_dict(self) -> dict[str, Any]:
+        jobs = []
+        for job in self.jobs:
+            summary = job.run_dir.read_summary()
+            jobs.append({"num": job.num, "overrides": job.overrides, "run_dir": job.dir,
+                         "state": job.state, "monitor": summary.get("monitor", "val/acc"),
+                         "metric": job.metric, "error": job.error, "job_id": job.job_id,
+                         **self.efficiency[job.num].as_dict()})
+        return {"path": str(self.path), "kind": self.kind, "backend": self.backend,
+                "jobs": jobs}
 
 
 def slurm_states(job_ids: list[str]) -> dict[str, str]:
@@ -27,8 +61,8 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
     return states
 
 
-def show(sweep_dir: Path) -> None:
-    """Print the table of the sweep's jobs as they are now."""
+def sweep_jobs(sweep_dir: Path) -> tuple[list[Job], str]:
+    """The sweep's jobs with their state now, and the sweep's backend."""
     manifest = SweepDir(sweep_dir).read_jobs()
     jobs = manifest["jobs"]
     scheduler = {}
@@ -46,4 +80,52 @@ def show(sweep_dir: Path) -> None:
             job.state = slurm  # pending, or ended without a result (failed, cancelled, timeout)
         if summary.get("requeued"):  # preempted or its node failed, then resumed
             job.state = f"{job.state} (requeued {summary['requeued']}x)"
-    print_table(jobs, f"sweep {sweep_dir.resolve()} ({manifest['backend']})")
+    return jobs, manifest["backend"]
+
+
+def run_job(run_dir: RunDir) -> Job:
+    """A run folder as a sweep's job would show: its state and metric from its summary."""
+    job = Job(num=0, overrides=run_dir.try_overrides() or [], dir=str(run_dir.path))
+    summary = run_dir.read_summary()
+    if summary.get("status") in ENDED or run_dir.rank_errors():
+        read_result(job)
+    else:  # running, or started without a summary yet (it may have stopped at a config error)
+        job.state = summary.get("status") or "no summary"
+        job.metric = summary.get(f"best/{summary.get('monitor', 'val/acc')}")
+    if summary.get("requeued"):
+        job.state = f"{job.state} (requeued {summary['requeued']}x)"
+    return job
+
+
+def collect(path: Path) -> Status:
+    """The jobs of a sweep folder, or the run of a run folder, with their figures."""
+    path = path.resolve()
+    if (path / MANIFEST).is_file():
+        jobs, backend = sweep_jobs(path)
+        kind = "sweep"
+    elif RunDir(path).is_run():
+        jobs, backend, kind = [run_job(RunDir(path))], None, "run"
+    elif not path.exists():
+        raise LabrunError(f"{path} does not exist; give a sweep folder "
+                          f"(multirun/DATE/TIME-XXXX) or a run folder")
+    else:
+        raise LabrunError(f"{path} is neither a sweep folder (no {MANIFEST}) nor a run folder "
+                          f"(no .hydra/ or summary.json); give multirun/DATE/TIME-XXXX, one of "
+                          f"its job folders, or outputs/DATE/TIME-XXXX")
+    return Status(path, kind, backend, jobs, {job.num: measure(job.run_dir) for job in jobs})
+
+
+def show(path: Path, as_json: bool = False) -> None:
+    """Print the table (or JSON) of the jobs as they are now, then each verdict's fix."""
+    status = collect(path)
+    if as_json:
+        print(json.dumps(status.as_dict(), indent=2))
+        return
+    print_table(status.jobs, status.title, efficiency=status.efficiency,
+                sweep=status.kind == "sweep")
+    for job in status.jobs:
+        figures = status.efficiency[job.num]
+        if figures.fix:
+            who = f"job {job.num}: " if status.kind == "sweep" else ""
+            # Plain print: one unwrapped line per fix, whatever the terminal's width.
+            print(f"{who}{figures.verdict}: {figures.reason}; {figures.fix}")

@@ -15,7 +15,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.utils import filter_overrides
 from rich.console import Console
@@ -24,6 +24,9 @@ from rich.table import Table
 from labrun.core.errors import LabrunError
 from labrun.core.files import write_json_atomic
 from labrun.runs.rundir import RunDir
+
+if TYPE_CHECKING:
+    from labrun.runs.efficiency import Efficiency
 
 MANIFEST = "jobs.json"
 # The summary.json statuses of a run that has ended ("pruned": an Optuna search stopped it early,
@@ -141,23 +144,48 @@ STYLE = {"completed": "green", "skipped": "green", "pruned": "blue", "failed": "
          "cancelled": "yellow", "running": "cyan", "submitted": "cyan", "pending": "dim"}
 
 
-def print_table(jobs: list[Job], title: str, console: Console | None = None) -> None:
+def print_table(jobs: list[Job], title: str, console: Console | None = None,
+                efficiency: dict[int, Efficiency] | None = None, sweep: bool = True) -> None:
+    """The jobs' table; with `efficiency` (job num -> its figures, `labrun status`), columns
+    for images/s, data wait, GPU utilisation and the verdict. `sweep`: a sweep's jobs (a run
+    folder alone gets no advice about re-running the sweep)."""
     # Not a terminal (a log file, CI): wide enough that paths stay on one line.
     console = console or Console(width=None if sys.stdout.isatty() else 200)
     table = Table(title=title, title_justify="left")
-    for column in ("job", "overrides", "state", "best", "id"):
-        table.add_column(column, no_wrap=column in ("state", "best", "id"))
+    for column in ("job", "overrides", "state", "best"):
+        table.add_column(column, no_wrap=column in ("state", "best"))
+    if efficiency is not None:
+        for column in ("img/s", "data wait", "GPU"):
+            table.add_column(column, no_wrap=True, justify="right")
+        table.add_column("verdict", no_wrap=True)
+    table.add_column("id", no_wrap=True)
     table.add_column("log / error", overflow="fold")
     labels = varying_overrides(jobs)
     for job in jobs:
         state = "completed (earlier)" if job.state == "skipped" else job.state
         detail = job.error if job.error and job.state not in FINISHED else ""
         where = job.log or job.dir
+        figures = [] if efficiency is None else _efficiency_cells(efficiency[job.num])
         table.add_row(str(job.num), labels[job.num], f"[{STYLE.get(job.state, '')}]{state}",
-                      "" if job.metric is None else f"{job.metric:.4f}", job.job_id or "",
-                      f"{where}\n{detail}" if detail else where)
+                      "" if job.metric is None else f"{job.metric:.4f}", *figures,
+                      job.job_id or "", f"{where}\n{detail}" if detail else where)
     console.print(table)
     failed = [j for j in jobs if j.state not in FINISHED]
-    if failed:
+    if failed and sweep:
         console.print(f"{len(failed)} of {len(jobs)} jobs did not complete; run the same "
                       f"command again (same hydra.sweep.dir) to finish only those.")
+
+
+VERDICT_STYLE = {"healthy": "green", "data-bound": "red", "GPU idle": "yellow",
+                 "no data yet": "dim"}
+
+
+def _efficiency_cells(figures: Efficiency) -> list[str]:
+    """img/s, data wait, GPU, verdict; "-" for a figure not measured."""
+    def percent(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0%}"
+
+    rate = figures.images_per_s
+    rate = "-" if rate is None else f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+    verdict = f"[{VERDICT_STYLE.get(figures.verdict, '')}]{figures.verdict}"
+    return [rate, percent(figures.data_wait_frac), percent(figures.gpu_util), verdict]

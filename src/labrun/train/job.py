@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from labrun.core.project import PROJECT_DIR
 from labrun.runs import lock as run_lock
 from labrun.runs import provenance
 from labrun.runs.rundir import RunDir
-from labrun.track import console
+from labrun.track import console, metrics_endpoint
 from labrun.track import loggers as tracking
 from labrun.train import distributed
 from labrun.train.checkpoint import CheckpointManager
@@ -120,11 +121,83 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     if dist.is_main:
         recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR)
     trainer = Trainer(cfg, dataset, model, folder=folder, checkpoints=checkpoints, dist=dist)
-    # Built last, right before fit(), whose `finally` always closes it (wandb.finish()).
-    tracker = tracking.build(cfg, run_dir, is_main=dist.is_main,
-                             resume_id=resume.get("wandb_run_id") if resume else None,
-                             provenance=recorded, sweep=launch["sweep"])
-    return trainer.fit(tracker, resume)
+    monitoring = start_monitoring(cfg, dist, folder, trainer, launch)
+    try:
+        # Built last, right before fit(), whose `finally` always closes it (wandb.finish()).
+        tracker = tracking.build(cfg, run_dir, is_main=dist.is_main,
+                                 resume_id=resume.get("wandb_run_id") if resume else None,
+                                 provenance=recorded, sweep=launch["sweep"])
+        return trainer.fit(tracker, resume)
+    finally:
+        monitoring.stop()
+
+
+@dataclass
+class Monitoring:
+    """What watches this process's share of a run: the metrics endpoint and the NVML poller."""
+
+    endpoint: metrics_endpoint.Endpoint | None = None
+    gpus: metrics_endpoint.GpuPoller | None = None
+
+    def stop(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.stop()
+        if self.gpus is not None:
+            self.gpus.stop()
+
+
+def start_monitoring(cfg: DictConfig, dist: distributed.Distributed, folder: RunDir,
+                     trainer: Trainer, launch: dict[str, Any]) -> Monitoring:
+    """Rank 0 serves the run's metrics and its node's GPUs (monitor/node-0.json); on a
+    multi-node run each other node's local rank 0 serves that node's GPUs, where it has any;
+    the other ranks serve nothing. Rank 0 reads its node's GPUs for perf/gpu_util even with
+    monitor.enabled=false: metrics.jsonl keeps it for `labrun status`."""
+    monitor = cfg.monitor
+    node = node_rank(dist, cfg.trainer.devices)
+    if not (dist.is_main or (dist.local_rank == 0 and node > 0)):
+        return Monitoring()
+    watch = Monitoring()
+    if dist.device.type == "cuda" and (dist.is_main or monitor.enabled):
+        watch.gpus = metrics_endpoint.GpuPoller.open(cuda_uuids(cfg.trainer.devices),
+                                                     monitor.gpu_poll_s)
+    if dist.is_main:
+        trainer.gpus = watch.gpus
+    exports = ("run", "gpus") if dist.is_main else ("gpus",)
+    if not monitor.enabled or (not dist.is_main and watch.gpus is None):
+        return watch
+    sweep = launch.get("sweep") or {}
+    labels = metrics_endpoint.run_labels(folder.path, sweep_dir=sweep.get("dir"),
+                                         experiment=sweep.get("experiment"))
+    try:
+        watch.endpoint = metrics_endpoint.Endpoint.start(
+            folder, node_rank=node, exports=exports, labels=labels, bind=monitor.bind,
+            port=monitor.port, stats=trainer.stats if dist.is_main else None, gpus=watch.gpus)
+    except BaseException:
+        watch.stop()
+        raise
+    return watch
+
+
+def node_rank(dist: distributed.Distributed, devices: int) -> int:
+    """Which node of the run this process is on: torchrun's GROUP_RANK, SLURM's SLURM_NODEID,
+    else the rank over the processes per node (ranks are numbered node by node)."""
+    if dist.world_size == 1:
+        return 0
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return dist.rank // max(1, devices)
+
+
+def cuda_uuids(devices: int) -> list[str]:
+    """NVML's names ("GPU-...") of this node's GPUs of the run, cuda:0 first. By UUID, not by
+    index: CUDA numbers GPUs fastest first and NVML by PCI bus, and CUDA_VISIBLE_DEVICES may
+    name any subset."""
+    uuids = []
+    for index in range(min(devices, torch.cuda.device_count())):
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        uuids.append(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
+    return uuids
 
 
 def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:

@@ -48,6 +48,8 @@ def _format(metrics: dict[str, float]) -> str:
             parts.append(f"{value:.0f} img/s")
         elif key == "train/lr":
             parts.append(f"lr {value:.3g}")
+        elif key == "perf/gpu_util":
+            parts.append(f"gpu {value:.0%}")
         elif key.startswith("perf/"):
             continue
         else:

@@ -34,6 +34,7 @@ from labrun.data.transforms import BatchNormalizer
 from labrun.models import unwrap
 from labrun.runs.rundir import RunDir
 from labrun.track.loggers import NoTracker, Tracker
+from labrun.track.metrics_endpoint import GpuPoller, TrainingStats
 from labrun.train import callbacks as callback_registry
 from labrun.train import checkpoint as ckpt
 from labrun.train.checkpoint import CheckpointManager, CheckpointState
@@ -107,6 +108,9 @@ class Trainer:
         self.stop_reason: str | None = None  # a callback ended training early (request_stop)
         self.stop_status = "completed"  # ... and how the run then ends: completed or pruned
         self._eval_loaders: dict[str, Any] = {}
+        # What the metrics endpoint shows: plain numbers, a few attribute updates per step.
+        self.stats = TrainingStats()
+        self.gpus: GpuPoller | None = None  # set by job.py where NVML reports the run's GPUs
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -191,6 +195,10 @@ class Trainer:
             self.position += self.per_rank_batch
             if self.step % self.cfg.trainer.log_every_n_steps == 0 or done == self.steps_per_epoch:
                 metrics = window.metrics(self.optimizer.param_groups[0]["lr"])
+                if self.gpus is not None:  # a float the NVML thread keeps: no wait here
+                    util = self.gpus.take_utilization()
+                    if util is not None:
+                        metrics["perf/gpu_util"] = util
                 self.log(metrics)
                 self.progress.update(done, self.step, metrics)
                 window.reset()
@@ -209,7 +217,9 @@ class Trainer:
         for micro_step in range(accumulation):
             wait_start = time.perf_counter()
             images, labels = next(batches)
-            window.wait += time.perf_counter() - wait_start
+            waited = time.perf_counter() - wait_start
+            window.wait += waited
+            self.stats.data_wait_s += waited
             images, labels = self.to_device(images, labels)
             last = micro_step == accumulation - 1
             # Only the last micro-batch of a step all-reduces gradients across ranks.
@@ -236,6 +246,10 @@ class Trainer:
         window.steps += 1
         window.samples += self.per_rank_batch * self.dist.world_size
         window.loss += step_loss
+        stats = self.stats
+        stats.steps += 1
+        stats.samples += self.per_rank_batch * self.dist.world_size
+        stats.last_step_at = time.time()
 
     @torch.inference_mode()
     def evaluate(self, split: str) -> dict[str, float]:
@@ -305,6 +319,7 @@ class Trainer:
             getattr(callback, hook)(self, *args)
 
     def log(self, metrics: dict[str, float]) -> None:
+        self.stats.record(metrics, self.epoch, self.cfg.checkpoint.monitor)
         self.folder.log_metrics(metrics, self.step, self.epoch)
         if self.dist.is_main:
             self.folder.summary.update(metrics)
@@ -337,6 +352,7 @@ class Trainer:
         return iter(self.train_loader)
 
     def _non_finite_loss(self, value: float) -> None:
+        self.stats.nonfinite_steps += 1
         if self.cfg.trainer.nan_policy == "skip":
             self.progress.message(f"loss is {value} at step {self.step + 1}: step skipped")
             return

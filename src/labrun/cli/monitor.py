@@ -1,0 +1,142 @@
+"""`labrun monitor targets` and `labrun monitor up`: Prometheus for labrun's runs.
+
+The arguments and the refresh loop; discovery is labrun.runs.targets's, the Prometheus process
+labrun.deploy.prometheus's, and the shipped configuration is in monitoring/ (docs/monitoring.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from pathlib import Path
+
+from labrun.core.errors import LabrunError
+
+log = logging.getLogger(__name__)
+
+TARGETS_HELP = """\
+Writes Prometheus file-based service discovery (file_sd) for the runs under ROOTS that train
+now: one target per node endpoint (RUN/monitor/node-N.json), labelled with the run's labels
+and node_rank. A run counts as training when its folder's lock is held by a live process,
+judged exactly as a second `python train.py` on that folder would judge it.
+
+examples:
+  labrun monitor targets --out /etc/prometheus/targets/labrun.json
+  labrun monitor targets /nfs/outputs /nfs/multirun --out targets/labrun.json --watch 30
+"""
+
+UP_HELP = """\
+Starts Debian's prometheus on 127.0.0.1 with monitoring/prometheus.yml and rules.yml, its
+labrun job fed from a target file this command rewrites every --refresh seconds, storing in
+OUTPUT_ROOT/.prometheus/. Prints its URL; Ctrl-C stops it.
+"""
+
+
+def default_roots() -> list[Path]:
+    """Where runs land by default: paths.output_root and paths.multirun_root, which
+    conf/paths/default.yaml reads from the same variables."""
+    return [Path(os.environ.get("LABRUN_OUTPUT_ROOT", "outputs")),
+            Path(os.environ.get("LABRUN_MULTIRUN_ROOT", "multirun"))]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    targets = actions.add_parser(
+        "targets", help="write Prometheus file_sd targets for the runs training now",
+        description=TARGETS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    targets.add_argument("roots", nargs="*", type=Path, metavar="ROOT",
+                         help="folders holding run folders (default: the output root and the "
+                              "multirun root, $LABRUN_OUTPUT_ROOT / $LABRUN_MULTIRUN_ROOT or "
+                              "outputs and multirun)")
+    targets.add_argument("--out", type=Path, required=True, metavar="FILE",
+                         help="the file_sd JSON file to write (replaced atomically)")
+    targets.add_argument("--watch", type=float, metavar="SECONDS",
+                         help="rewrite the file every SECONDS until interrupted")
+    up = actions.add_parser("up", help="start a local Prometheus for labrun's runs",
+                            description=UP_HELP)
+    up.add_argument("--port", type=int, default=9090,
+                    help="port on 127.0.0.1 (default 9090; 0: any free port)")
+    up.add_argument("--roots", nargs="+", type=Path, metavar="ROOT",
+                    help="folders holding run folders (default: the output root and the "
+                         "multirun root)")
+    up.add_argument("--output-root", type=Path, metavar="DIR",
+                    help="where .prometheus/ (storage, target file, log) goes (default: "
+                         "$LABRUN_OUTPUT_ROOT or outputs)")
+    up.add_argument("--refresh", type=float, default=15.0, metavar="SECONDS",
+                    help="how often the target file is rewritten (default 15)")
+
+
+def _roots(given: list[Path] | None) -> list[Path]:
+    """The roots named on the command line, which must exist (a typo would list nothing,
+    silently), or the default ones, which need not yet (searched once they do)."""
+    if not given:
+        return default_roots()
+    for root in given:
+        if not root.is_dir():
+            raise LabrunError(f"{root}: no such folder; name the folders that hold run "
+                              f"folders (outputs, multirun)")
+    return given
+
+
+def refresh(roots: list[Path], out: Path) -> int:
+    """Discover and write the target file; the number of targets."""
+    from labrun.runs.targets import discover, write_file_sd
+
+    found = discover(roots)
+    if write_file_sd(found, out):
+        runs = sorted({str(target.run_dir) for target in found})
+        log.info("%s: %d targets of %d runs%s", out, len(found), len(runs),
+                 (": " + ", ".join(runs)) if runs else "")
+    return len(found)
+
+
+def _positive(seconds: float, flag: str) -> None:
+    if seconds <= 0:
+        raise LabrunError(f"{flag} {seconds:g}: give a number of seconds above 0")
+
+
+def run_targets(args: argparse.Namespace) -> int:
+    roots = _roots(args.roots)
+    if args.watch is None:
+        refresh(roots, args.out)
+        return 0
+    _positive(args.watch, "--watch")
+    try:
+        while True:
+            refresh(roots, args.out)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from labrun.deploy import prometheus
+
+    prometheus.binary()  # missing: one line naming the install, before anything is written
+    _positive(args.refresh, "--refresh")
+    output_root = args.output_root or default_roots()[0]
+    roots = _roots(args.roots) if args.roots else [output_root, default_roots()[1]]
+    home = output_root / ".prometheus"
+    targets_file = home / "targets" / "labrun.json"
+    refresh(roots, targets_file)
+    config = prometheus.write_config(home / "prometheus.yml",
+                                     prometheus.local_config(targets_file))
+    prom = prometheus.start(config, home / "data", home / "prometheus.log", port=args.port)
+    try:
+        print(f"Prometheus: {prom.url}  (runs under {', '.join(map(str, roots))}"
+              f"; storage {home / 'data'}; log {home / 'prometheus.log'}; Ctrl-C stops it)",
+              flush=True)
+        while True:
+            time.sleep(args.refresh)
+            prom.check_alive()
+            refresh(roots, targets_file)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        prom.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_targets(args) if args.action == "targets" else run_up(args)

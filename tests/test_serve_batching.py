@@ -1,0 +1,308 @@
+"""Dynamic batching in `labrun serve` (labrun.deploy.batching).
+
+The HTTP tests run a real `labrun serve` process on 127.0.0.1 with the digits run's exported
+model, started with --max-batch 8 --max-delay-ms 200: long enough a wait that concurrent requests
+share model calls even on a loaded machine. Each answer's X-Batch-Size header says how many
+images its model call took. Every image sent is a different validation digit, and each answer is
+compared with that image's answer when sent alone, so an answer that went to the wrong caller
+shows.
+
+The batcher's own tests run it in-process with a fake model function that records the batches it
+is given: they test the queue logic (gathering, max_batch, the delay, errors, shutdown), which
+no real model could make observable; the HTTP tests run the real model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+from pathlib import Path
+
+import cv2
+import httpx
+import pytest
+from PIL import Image
+
+from conftest import PROJECT, run_labrun
+from labrun.data import digits
+from labrun.deploy.batching import Batcher, BatcherClosed
+from labrun.deploy.served import serving
+
+MAX_BATCH = 8
+HEADER = "x-batch-size"
+
+
+@pytest.fixture(scope="module")
+def onnx_model(digits_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("batching") / "digits.onnx"
+    run_labrun("export", str(digits_run), "--format", "onnx", "--out", str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(onnx_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("batching-server") / "server.log"
+    try:
+        with serving(onnx_model, log, cwd=PROJECT,
+                     args=("--max-batch", str(MAX_BATCH), "--max-delay-ms", "200")) as served:
+            yield served.url
+    finally:
+        print(log.read_text()[-3000:])
+
+
+@pytest.fixture(scope="module")
+def images() -> list[tuple[str, bytes]]:
+    """16 different validation digits as 64 px JPEG files, named by their index."""
+    val = digits.load(32, 0.2)["val"]
+    files = []
+    for i in range(16):
+        image = cv2.resize(val.load(i), (64, 64), interpolation=cv2.INTER_LINEAR)
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="JPEG", quality=95)
+        files.append((f"{i}.jpg", buffer.getvalue()))
+    return files
+
+
+@pytest.fixture(scope="module")
+def alone(server, images) -> dict[str, dict[int, float]]:
+    """Each image's answer (all 10 classes) when it is the only request: a batch of one."""
+    answers = {}
+    with httpx.Client(base_url=server, timeout=60) as client:
+        for name, data in images:
+            answer = client.post("/predict?k=10", files={"file": (name, data)})
+            assert answer.status_code == 200, answer.text
+            assert answer.headers[HEADER] == "1"
+            answers[name] = probs(answer.json()["top"])
+    # The images must tell callers apart: were every answer alike, a mix-up could not show.
+    assert len({max(p, key=p.get) for p in answers.values()}) >= 4, answers
+    return answers
+
+
+def probs(top: list[dict]) -> dict[int, float]:
+    return {entry["index"]: entry["prob"] for entry in top}
+
+
+def assert_same(got: dict[int, float], expected: dict[int, float], name: str) -> None:
+    """The same answer as the image's own, up to float32 rounding: onnxruntime may sum in
+    another order for a batch of 8 than for a batch of 1."""
+    assert got.keys() == expected.keys(), name
+    worst = max(abs(got[c] - expected[c]) for c in got)
+    assert worst <= 1e-4, (name, worst, got, expected)
+
+
+def at_once(calls: list) -> list:
+    """Run every call in its own thread, released together; their results, in order."""
+    start = threading.Barrier(len(calls))
+    results: list = [None] * len(calls)
+
+    def worker(i: int) -> None:
+        start.wait()
+        try:
+            results[i] = calls[i]()
+        except Exception as error:  # noqa: BLE001 - reported below, with the others
+            results[i] = error
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [r for r in results if isinstance(r, Exception)]
+    assert not failed, failed
+    return results
+
+
+def post(url: str, path: str, files) -> httpx.Response:
+    # 60 s: one small request; slack for a loaded 2-core machine.
+    return httpx.post(f"{url}{path}", files=files, timeout=60)
+
+
+def test_concurrent_requests_share_model_calls_and_each_gets_its_own_answer(server, images,
+                                                                          alone):
+    answers = at_once([lambda name=name, data=data: post(server, "/predict?k=10",
+                                                         {"file": (name, data)})
+                       for name, data in images])
+    sizes = []
+    for (name, _), answer in zip(images, answers, strict=True):
+        assert answer.status_code == 200, answer.text
+        assert_same(probs(answer.json()["top"]), alone[name], name)
+        sizes.append(int(answer.headers[HEADER]))
+    print(f"model calls' sizes seen by 16 concurrent requests: {sizes}")
+    assert max(sizes) > 1, sizes  # gathered: several requests answered by one model call
+    assert max(sizes) <= MAX_BATCH, sizes
+
+
+def test_an_undecodable_image_fails_only_its_own_request(server, images, alone):
+    good = images[:6]
+    bad = [("junk.jpg", b"GIF89a this is not really a gif"),
+           ("cut.jpg", images[6][1][: len(images[6][1]) // 2])]
+    sent = good[:3] + bad[:1] + good[3:] + bad[1:]
+    answers = at_once([lambda name=name, data=data: post(server, "/predict?k=10",
+                                                         {"file": (name, data)})
+                       for name, data in sent])
+    for (name, _), answer in zip(sent, answers, strict=True):
+        if name in ("junk.jpg", "cut.jpg"):
+            assert answer.status_code == 400, answer.text
+            assert f"file ({name})" in answer.json()["error"]
+        else:
+            assert answer.status_code == 200, answer.text
+            assert_same(probs(answer.json()["top"]), alone[name], name)
+    assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_batch_and_single_requests_share_the_queue_and_keep_their_order(server, images,
+                                                                       alone):
+    # Four /predict/batch requests of three files each (the last file first: order matters)
+    # and four single /predict requests, all at once.
+    groups = [images[i:i + 3][::-1] for i in range(0, 12, 3)]
+    singles = images[12:16]
+    calls = [lambda group=group: post(server, "/predict/batch?k=10",
+                                      [("files", item) for item in group]) for group in groups]
+    calls += [lambda name=name, data=data: post(server, "/predict?k=10", {"file": (name, data)})
+              for name, data in singles]
+    answers = at_once(calls)
+    sizes = []
+    for group, answer in zip(groups, answers[:len(groups)], strict=True):
+        assert answer.status_code == 200, answer.text
+        results = answer.json()["results"]
+        assert [r["filename"] for r in results] == [name for name, _ in group]
+        for result in results:
+            assert_same(probs(result["top"]), alone[result["filename"]], result["filename"])
+        group_sizes = [int(size) for size in answer.headers[HEADER].split(",")]
+        assert len(group_sizes) == len(group), answer.headers[HEADER]
+        sizes += group_sizes
+    for (name, _), answer in zip(singles, answers[len(groups):], strict=True):
+        assert answer.status_code == 200, answer.text
+        assert_same(probs(answer.json()["top"]), alone[name], name)
+        sizes.append(int(answer.headers[HEADER]))
+    print(f"model calls' sizes: {sizes}")
+    assert max(sizes) <= MAX_BATCH, sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# The batcher in-process, with a fake model that records its batches (see the docstring).
+
+
+class FakeModel:
+    """run_batch for Batcher: answers x -> ("out", x), records each batch; raises on a "bad"
+    item; with `hold`, each call waits for hold.set() (to catch the batcher mid-call)."""
+
+    def __init__(self, hold: threading.Event | None = None):
+        self.batches: list[list] = []
+        self.hold, self.started = hold, threading.Event()
+
+    def __call__(self, items: list) -> list:
+        self.batches.append(list(items))
+        self.started.set()
+        if self.hold is not None:
+            self.hold.wait(60)
+        if "bad" in items:
+            raise ValueError("the model failed on this batch")
+        return [("out", item) for item in items]
+
+
+def test_the_batcher_gathers_waiting_items_up_to_max_batch_and_answers_each_caller():
+    model = FakeModel()
+
+    async def main():
+        batcher = Batcher(model, max_batch=4, max_delay_ms=50)
+        answers = await asyncio.gather(*(batcher.submit(i) for i in range(10)))
+        await batcher.close()
+        return answers
+
+    answers = asyncio.run(main())
+    assert model.batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert answers == [(("out", i), 4 if i < 8 else 2) for i in range(10)]
+
+
+def test_an_item_arriving_within_the_delay_joins_the_waiting_one():
+    model = FakeModel()
+
+    async def main():
+        # 60 s of delay: the batch closes because it is full, not because the delay passed.
+        batcher = Batcher(model, max_batch=2, max_delay_ms=60_000)
+        first = asyncio.ensure_future(batcher.submit("a"))
+        await asyncio.sleep(0.05)
+        assert not first.done()  # still waiting for company
+        second = await batcher.submit("b")
+        answers = [await first, second]
+        await batcher.close()
+        return answers
+
+    assert asyncio.run(main()) == [(("out", "a"), 2), (("out", "b"), 2)]
+    assert model.batches == [["a", "b"]]
+
+
+def test_submit_many_keeps_one_requests_items_together_and_in_order():
+    model = FakeModel()
+
+    async def main():
+        batcher = Batcher(model, max_batch=3, max_delay_ms=0)
+        answers = await asyncio.gather(batcher.submit_many(["x", "y", "z", "w"]),
+                                       batcher.submit("single"))
+        await batcher.close()
+        return answers
+
+    many, single = asyncio.run(main())
+    assert many == [(("out", "x"), 3), (("out", "y"), 3), (("out", "z"), 3),
+                    (("out", "w"), 2)]
+    assert single == (("out", "single"), 2)
+    assert model.batches == [["x", "y", "z"], ["w", "single"]]
+
+
+def test_a_failing_model_call_fails_only_its_batch_and_the_batcher_goes_on():
+    model = FakeModel()
+
+    async def main():
+        batcher = Batcher(model, max_batch=2, max_delay_ms=0)
+        first = await asyncio.gather(*(batcher.submit(x) for x in ("a", "bad", "c", "d")),
+                                     return_exceptions=True)
+        later = await batcher.submit("e")
+        await batcher.close()
+        return first, later
+
+    first, later = asyncio.run(main())
+    assert model.batches == [["a", "bad"], ["c", "d"], ["e"]]
+    assert [type(answer) for answer in first[:2]] == [ValueError, ValueError]
+    assert first[2:] == [(("out", "c"), 2), (("out", "d"), 2)]
+    assert later == (("out", "e"), 1)
+
+
+def test_a_caller_that_went_away_is_left_out_of_the_batch():
+    model = FakeModel()
+
+    async def main():
+        batcher = Batcher(model, max_batch=4, max_delay_ms=0)
+        gone = asyncio.ensure_future(batcher.submit("gone"))
+        kept = asyncio.ensure_future(batcher.submit("kept"))
+        await asyncio.sleep(0)  # both queued
+        gone.cancel()
+        answer = await kept
+        await batcher.close()
+        return answer
+
+    assert asyncio.run(main()) == (("out", "kept"), 1)
+    assert model.batches == [["kept"]]
+
+
+def test_close_answers_every_waiting_caller_and_refuses_new_items():
+    hold = threading.Event()
+    model = FakeModel(hold)
+
+    async def main():
+        batcher = Batcher(model, max_batch=1, max_delay_ms=0)
+        waiting = [asyncio.ensure_future(batcher.submit(x)) for x in ("running", "queued")]
+        await asyncio.to_thread(model.started.wait, 60)  # "running" is in the model call
+        await batcher.close()
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        with pytest.raises(BatcherClosed):
+            await batcher.submit("late")
+        return outcomes
+
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        hold.set()  # let the model thread finish
+    assert [type(outcome) for outcome in outcomes] == [BatcherClosed, BatcherClosed]
+    assert model.batches == [["running"]]
