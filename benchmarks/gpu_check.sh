@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# GPU checks (never part of the tests), one figure per line, about 6 minutes on one GPU:
+# GPU checks (never part of the tests), one figure per line. Parts 1, 2 and 6 took about 6
+# minutes on one H200; 3-5 are new and have not run on a GPU yet (none lent since):
 #   1. `labrun bench data` with the batches normalised on the GPU, as the trainer does, then
 #      on the CPU, on this machine's cores;
 #   2. ResNet-50 training through the real `python train.py` on synthetic 224 px data:
 #      bf16 and fp16 with channels_last, and bf16 with torch.compile;
-#   3. `labrun doctor` (GPU, CUDA, NCCL).
+#   3. batched decoding on the GPU (dataset.decode=cuda, nvJPEG) against ResNet-50's pace;
+#   4. `labrun bench serve` on CUDA: dynamic batching against the same server at --max-batch 1;
+#   5. a run's Prometheus endpoint scraped mid-run: the GPU utilisation it reports;
+#   6. `labrun doctor` (GPU, CUDA, NCCL).
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]     # after `make train`; PY=python3 for another env
 set -uo pipefail
@@ -53,6 +57,37 @@ print(f"resnet50 224px {precision} channels_last compile={compile}: "
       f"loss {perf['train/loss']:.3f}, val/acc {val['val/acc']:.3f}")
 PY
 done
+
+echo "== batched decoding on the GPU (decode=cuda, 4 workers) against ResNet-50 bf16 training"
+labrun bench data --device cuda --decode-device cuda --workers 4 --batch-size 256 \
+    --json "$OUT/bench_data_decode_cuda.json" 2>&1 | grep -E "hdf5|resnet50|feeds|target"
+
+echo "== labrun bench serve --clients 16 on CUDA: batched vs --max-batch 1"
+labrun bench serve --clients 16 --json "$OUT/bench_serve.json" 2>&1 | grep -vE "^ +round "
+
+echo "== a training run's metrics endpoint, scraped mid-run: GPU utilisation"
+dir="$OUT/train-monitored"
+"$PY" train.py model=resnet18 dataset=synthetic dataset.image_size=224 dataset.num_train=20480 \
+    dataset.num_workers=8 trainer.batch_size=256 trainer.max_epochs=1 \
+    trainer.limit_train_batches=80 precision=bf16 logger=csv trainer.progress=none \
+    "hydra.run.dir=$dir" > "$dir.log" 2>&1 &
+train_pid=$!
+"$PY" - "$dir" "$train_pid" <<'PY'
+import json, os, pathlib, sys, time, urllib.request
+run_dir, pid = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+node = run_dir / "monitor" / "node-0.json"
+deadline = time.time() + 180
+while not node.exists() and time.time() < deadline and os.path.exists(f"/proc/{pid}"):
+    time.sleep(1)
+if not node.exists():
+    sys.exit("monitor: the run wrote no monitor/node-0.json")
+time.sleep(20)  # past start-up, inside the training steps
+url = json.loads(node.read_text())["url"]
+text = urllib.request.urlopen(url, timeout=10).read().decode()
+seen = [line for line in text.splitlines() if line.startswith("labrun_gpu_")]
+print("monitor: " + ("; ".join(seen) if seen else "NO labrun_gpu_* series on a GPU run"))
+PY
+wait "$train_pid" && grep -h '"perf/gpu_util"' "$dir/metrics.jsonl" | tail -1
 
 echo "== labrun doctor"
 labrun doctor 2>&1 | tail -25

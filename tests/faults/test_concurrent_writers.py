@@ -63,6 +63,9 @@ def masked(path: Path) -> bytes:
         # The working tree's uncommitted changes when each run started: they differ when the
         # code is edited between the two runs, which no run wrote.
         return b""
+    if path.parent.name == "monitor":
+        # Where the run's metrics endpoint listened (port, PID, start time): each run's own.
+        return json.dumps(sorted(json.loads(data)), sort_keys=True).encode()
     if path.name == "summary.json" or path.parent.name == "ranks":
         return json.dumps(clean(json.loads(data)), sort_keys=True).encode()
     if path.name == "metrics.jsonl":
@@ -73,6 +76,7 @@ def masked(path: Path) -> bytes:
         return json.dumps([clean(r) for r in rows], sort_keys=True).encode()
     if path.suffix == ".log":
         text = re.sub(r"^\[[\d\- :,]+\]", "[T]", data.decode(), flags=re.M)
+        text = re.sub(r"metrics: http://\S+", "metrics: URL", text)
         return re.sub(r"\d+ img/s", "N img/s", text).encode()
     return data
 

@@ -29,7 +29,6 @@ cores, as they do in any loopback measurement; rounds alternate, each side keepi
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import platform
@@ -99,7 +98,6 @@ def run(args) -> list[Verdict]:
     if min(args.requests, args.clients, args.rounds, args.max_batch) < 1:
         raise LabrunError("--requests, --clients, --rounds and --max-batch must be 1 or more")
     fmt = pick_format(args.format)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per measured request
     with tempfile.TemporaryDirectory(prefix="labrun-bench-serve-") as tmp, \
             contextlib.ExitStack() as servers:
         folder = Path(tmp)

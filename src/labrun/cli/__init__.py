@@ -52,6 +52,9 @@ def setup_logging() -> None:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
+    # httpx logs every request at INFO: the commands' own polling (monitor up, bench serve)
+    # would drown what they report.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,3 +61,15 @@ class StopSignals:
     def requeues(self) -> bool:
         """A USR2 with submitit's handler behind it: the job is requeued, not just stopped."""
         return self.signum == signal.SIGUSR2 and callable(self.requeue_handler)
+
+    def requeue(self) -> None:
+        """Hand over to submitit's USR2 handler, which requeues the job and exits.
+
+        Requeueing makes SLURM end the job step at once: its SIGTERM reaches the DataLoader
+        workers too, and torch's SIGCHLD handler would then raise "DataLoader worker ... is
+        killed by signal" in this process while it exits, so the job would end as a failure
+        (the result submitit reports to the sweep) instead of as requeued. Past the checkpoint
+        the workers' deaths no longer matter: the default SIGCHLD handling ignores them."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.requeue_handler(self.signum, None)

@@ -368,7 +368,7 @@ class Trainer:
         if self.signals.requeues():
             self.progress.message(f"{name} at step {self.step}: checkpoint saved, requeueing")
             self.folder.update_summary(status="interrupted", ended_at=time.time())
-            self.signals.requeue_handler(self.signals.signum, None)  # submitit: requeue, exit
+            self.signals.requeue()  # submitit: requeue, exit
         raise RunInterrupted(f"{name} at step {self.step}: checkpoint saved; resume with: "
                              f"labrun resume {self.folder.path}")
 
