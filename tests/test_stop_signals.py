@@ -17,16 +17,17 @@ def test_workers_killed_by_the_requeue_do_not_turn_it_into_a_failure():
     loader = DataLoader(list(range(64)), batch_size=4, num_workers=2)
     batches = iter(loader)  # starts the workers and torch's SIGCHLD handler
     next(batches)
+    workers = list(batches._workers)
     requeued = []
 
     def submitit_handler(signum, frame):
         # What SLURM does once submitit has requeued the job: it ends the whole step. The
         # exit that follows takes a moment, in which torch's SIGCHLD handler ran and raised
         # "DataLoader worker (pid N) is killed by signal" before the fix.
-        for worker in batches._workers:
+        for worker in workers:
             os.kill(worker.pid, signal.SIGKILL)  # (SIGTERM lets a torch worker exit with 0)
         deadline = time.time() + 5
-        while any(w.is_alive() for w in batches._workers) and time.time() < deadline:
+        while any(w.is_alive() for w in workers) and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.2)  # signal handlers run between bytecodes: give SIGCHLD its turn
         requeued.append(signum)
@@ -38,6 +39,5 @@ def test_workers_killed_by_the_requeue_do_not_turn_it_into_a_failure():
         signals.requeue()
     finally:
         signal.signal(signal.SIGCHLD, previous)
-        del batches
     assert requeued == [signal.SIGUSR2]
     assert torch.utils.data.get_worker_info() is None  # still the main process
