@@ -26,6 +26,7 @@ from PIL import Image
 
 from conftest import PROJECT, run_labrun
 from labrun.data import digits
+from labrun.deploy import batching
 from labrun.deploy.batching import Batcher, BatcherClosed
 from labrun.deploy.served import serving
 
@@ -306,3 +307,23 @@ def test_close_answers_every_waiting_caller_and_refuses_new_items():
         hold.set()  # let the model thread finish
     assert [type(outcome) for outcome in outcomes] == [BatcherClosed, BatcherClosed]
     assert model.batches == [["running"]]
+
+
+def test_two_model_threads_run_two_batches_at_once():
+    """On a CPU the server keeps two model calls in flight (batching.model_threads), so the
+    cores do not idle in one call's serial parts. Each call here waits until the other has
+    started too: one model thread at a time would time out (BrokenBarrierError)."""
+    both_running = threading.Barrier(2, timeout=10)
+
+    def model(items):
+        both_running.wait()
+        return [("out", item) for item in items]
+
+    async def main():
+        batcher = Batcher(model, max_batch=1, max_delay_ms=0, model_threads=2)
+        answers = await asyncio.gather(batcher.submit("a"), batcher.submit("b"))
+        await batcher.close()
+        return answers
+
+    assert asyncio.run(main()) == [(("out", "a"), 1), (("out", "b"), 1)]
+    assert batching.model_threads("cpu") == 2 and batching.model_threads("cuda") == 1

@@ -213,7 +213,8 @@ def create_app(predictor: inference.Predictor, max_upload_bytes: int, *,
                max_batch: int = MAX_BATCH, max_delay_ms: float = MAX_DELAY_MS):
     # Every model call goes through the batcher, --max-batch 1 included (then one image a call).
     batcher = batching.Batcher(lambda images: predictor.logits(torch.stack(images)),
-                               max_batch=max_batch, max_delay_ms=max_delay_ms)
+                               max_batch=max_batch, max_delay_ms=max_delay_ms,
+                               model_threads=batching.model_threads(predictor.device))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
