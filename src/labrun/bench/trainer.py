@@ -5,7 +5,8 @@ trainer: images/s over whole epochs of Trainer.train_epoch() against a bare 20-l
     on the CPU, in one run (rounds interleaved, best of each). Both normalise each batch with
     the same BatchNormalizer on the same device; the session logs as a real run does (the
     default trainer.log_every_n_steps and trainer.progress, metrics.jsonl written, and a
-    local logger (csv) standing in for the default W&B, which needs the cloud).
+    local logger (csv) standing in for the default W&B, which needs the cloud), and its
+    metrics endpoint is scraped every second (--monitor off: no endpoint).
 startup: wall time from launching `python train.py logger=csv` to the end of its first
     optimizer step, against `python -c "import torch, torchvision"`.
 The targets are TRAINER_TARGETS and STARTUP_TARGETS below.
@@ -44,7 +45,38 @@ def configure_trainer(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=15, help="optimizer steps per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--monitor", default="on", choices=("on", "off"),
+                        help="the run's metrics endpoint, scraped every second as a busy "
+                             "Prometheus would (default on, as in a run)")
     parser.add_argument("--json", metavar="FILE")
+
+
+class _Scraper:
+    """The session's metrics endpoint (track/metrics_endpoint.py) and a thread scraping it every
+    second, 15x Prometheus's default interval: what monitoring costs the loop."""
+
+    def __init__(self, session, run_dir: Path):
+        import threading
+        import urllib.request
+
+        from labrun.track import metrics_endpoint
+
+        self.endpoint = metrics_endpoint.Endpoint.start(
+            session.folder, node_rank=0, exports=("run", "gpus"),
+            labels=metrics_endpoint.run_labels(run_dir), stats=session.stats)
+        self.scrapes, self._stop = 0, threading.Event()
+
+        def scrape():
+            while not self._stop.wait(1.0):
+                urllib.request.urlopen(self.endpoint.url, timeout=10).read()
+                self.scrapes += 1
+        self._thread = threading.Thread(target=scrape, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+        self.endpoint.stop()
 
 
 def _batches(args, generator: torch.Generator):
@@ -128,6 +160,7 @@ def run_trainer(args: argparse.Namespace) -> list[Verdict]:
         optimizer = torch.optim.SGD(bare.parameters(), lr=0.01, momentum=0.9)
         session.train_loader = _InMemoryLoader(batches)
         session.steps_per_epoch = len(batches)
+        scraper = _Scraper(session, Path(tmp)) if args.monitor == "on" else None
         best = {"bare": 0.0, "session": 0.0}
         for _ in range(args.rounds):
             best["bare"] = max(best["bare"], _bare_loop(bare, optimizer, batches, normalize))
@@ -138,6 +171,10 @@ def run_trainer(args: argparse.Namespace) -> list[Verdict]:
             best["session"] = max(best["session"], seen / (time.perf_counter() - start))
             session.epoch += 1
         session.tracker.finish("completed", session.folder.summary)
+        scrapes = 0
+        if scraper is not None:
+            scraper.stop()
+            scrapes = scraper.scrapes
         metrics = session.folder.metrics_path
         metrics_rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     ratio = best["session"] / best["bare"]
@@ -148,8 +185,9 @@ def run_trainer(args: argparse.Namespace) -> list[Verdict]:
     print(f"  Trainer             {best['session']:8.1f} images/s  ({metrics_rows} rows written "
           f"to metrics.jsonl)")
     print(f"  ratio               {ratio:8.3f}")
+    print(f"  metrics endpoint    {args.monitor}" + (f", scraped {scrapes} times" if scrapes else ""))
     figures = {"bare": best["bare"], "session": best["session"], "ratio": ratio,
-               "metrics_rows": metrics_rows}
+               "metrics_rows": metrics_rows, "monitor": args.monitor == "on", "scrapes": scrapes}
     write_json(args.json, figures)
     return judge("trainer", figures, TRAINER_TARGETS)
 
