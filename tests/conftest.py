@@ -158,6 +158,28 @@ def digits_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def onnx_model(digits_run, tmp_path_factory) -> Path:
+    """digits_run exported to ONNX once, for the serving tests (which only read it)."""
+    out = tmp_path_factory.mktemp("digits_onnx") / "digits.onnx"
+    run_labrun("export", str(digits_run), "--format", "onnx", "--out", str(out))
+    return out
+
+
+def digit_jpeg() -> bytes:
+    """A real JPEG of a validation digit, upscaled to 64 px."""
+    import io
+
+    from PIL import Image
+
+    from labrun.data import digits
+
+    image = digits.load(32, 0.2)["val"].load(0)
+    buffer = io.BytesIO()
+    Image.fromarray(image).resize((64, 64)).save(buffer, format="JPEG", quality=95)
+    return buffer.getvalue()
+
+
 # A deterministic run used as the reference for every resume and fault test: three short
 # epochs of 22 steps, a checkpoint every 5 steps, 2 data workers.
 DETERMINISTIC = ["trainer.max_epochs=3", "trainer.deterministic=true",

@@ -39,13 +39,6 @@ from labrun.deploy.served import serving
 
 
 @pytest.fixture(scope="module")
-def onnx_model(digits_run, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("served") / "digits.onnx"
-    run_labrun("export", str(digits_run), "--format", "onnx", "--out", str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
 def server(onnx_model, tmp_path_factory):
     """`labrun serve MODEL` on a free port; yields its base URL; stopped by PID."""
     log = tmp_path_factory.mktemp("server") / "server.log"

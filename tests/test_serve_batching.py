@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
-from pathlib import Path
 
 import cv2
 import httpx
 import pytest
 from PIL import Image
 
-from conftest import PROJECT, run_labrun
+from conftest import PROJECT
 from labrun.data import digits
 from labrun.deploy import batching
 from labrun.deploy.batching import Batcher, BatcherClosed
@@ -32,13 +31,6 @@ from labrun.deploy.served import serving
 
 MAX_BATCH = 8
 HEADER = "x-batch-size"
-
-
-@pytest.fixture(scope="module")
-def onnx_model(digits_run, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("batching") / "digits.onnx"
-    run_labrun("export", str(digits_run), "--format", "onnx", "--out", str(out))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ Every check compares two scrapes, before and after the test's requests: serving(
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import socket
@@ -17,11 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import PROJECT, run_labrun
-from labrun.data import digits
+from conftest import PROJECT, digit_jpeg
 from labrun.deploy.serve_metrics import FAMILIES
 from labrun.deploy.served import serving
 
@@ -32,18 +29,8 @@ MAX_UPLOAD_MB = 0.05  # so that a 100 KB body is refused with 413 by the upload 
 
 
 @pytest.fixture(scope="module")
-def onnx_model(digits_run, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("metrics_model") / "digits.onnx"
-    run_labrun("export", str(digits_run), "--format", "onnx", "--out", str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
 def jpeg() -> bytes:
-    image = digits.load(32, 0.2)["val"].load(0)
-    buffer = io.BytesIO()
-    Image.fromarray(image).resize((64, 64)).save(buffer, format="JPEG", quality=95)
-    return buffer.getvalue()
+    return digit_jpeg()
 
 
 @pytest.fixture(scope="module")

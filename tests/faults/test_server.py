@@ -8,7 +8,6 @@ request the server should have answered that got no answer at all (each trial co
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import select
@@ -22,10 +21,8 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import httpx
 import pytest
-from PIL import Image
 
-from conftest import run_labrun
-from labrun.data import digits
+from conftest import digit_jpeg, run_labrun
 from labrun.deploy.serve import MAX_CONCURRENCY
 from labrun.deploy.served import serving
 
@@ -100,11 +97,7 @@ def server(digits_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def jpeg() -> bytes:
-    """A real JPEG of a validation digit, upscaled to 64 px."""
-    image = digits.load(32, 0.2)["val"].load(0)
-    buffer = io.BytesIO()
-    Image.fromarray(image).resize((64, 64)).save(buffer, format="JPEG", quality=95)
-    return buffer.getvalue()
+    return digit_jpeg()
 
 
 class Raw:
