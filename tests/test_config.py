@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from conftest import PROJECT, run_train
 from labrun.cli.hydra_app import user_error_message
 from labrun.config import schema as config
+from labrun.config import validation
 
 CONF = PROJECT / "conf"
 GROUPS = ["dataset", "model", "optimizer", "schedule", "precision", "cluster", "logger",
@@ -39,7 +40,7 @@ def options(group: str) -> list[str]:
 
 def compose_checked(overrides: list[str]):
     cfg = compose("train", overrides=["paths.run_dir=/tmp/x", *overrides])
-    config.validate(cfg)
+    validation.validate(cfg)
     return cfg
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 from omegaconf import MISSING, OmegaConf
 
-from labrun.config import facts, schema
+from labrun.config import facts, schema, validation
 from labrun.config.fields import key
 from labrun.core.errors import ConfigError
 
@@ -58,9 +58,9 @@ def test_a_new_field_states_its_facts_once(monkeypatch, fresh_facts, composed, t
     cfg = OmegaConf.create(OmegaConf.to_container(composed(), resolve=True))
     cfg.dataset.shard_dir = str(tmp_path / "no-such-folder")
     with pytest.raises(ConfigError, match=r"dataset.shard_dir=.*no such file or folder"):
-        schema.validate(cfg)
+        validation.validate(cfg)
     cfg.dataset.shard_dir = str(tmp_path)
-    schema.validate(cfg)
+    validation.validate(cfg)
 
 
 def test_slurm_jobs_get_every_path_key_absolute(composed, tmp_path, monkeypatch):

@@ -12,15 +12,15 @@ import logging
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from PIL import Image
 from rich.console import Console
 from test_data_convert import write_image_folder
 from test_data_decode import encode, smooth_image
+from test_data_sources import build as build_source
 
 from conftest import read_summary, run_train
 from labrun import data
-from labrun.config.schema import HDF5Config, ImageFolderConfig, validate
+from labrun.config.validation import validate
 from labrun.core.errors import ConfigError, DataError, one_line
 from labrun.data import batched, convert
 from labrun.data.decode import jpeg_size
@@ -47,11 +47,7 @@ def images(tmp_path_factory):
 
 
 def build(name: str, location: str, **overrides) -> data.Data:
-    schema, key = (HDF5Config, "path") if name == "hdf5" else (ImageFolderConfig, "root")
-    cfg = OmegaConf.merge(OmegaConf.structured(schema), {
-        "_target_": f"labrun.data.{name}.load", "name": name, key: location,
-        "image_size": SIZE, "num_workers": 0, **overrides})
-    return data.build(cfg)
+    return build_source(name, location, **{"image_size": SIZE, "num_workers": 0, **overrides})
 
 
 def batches(dataset: data.Data, split: str, seed: int, epoch: int = 1):

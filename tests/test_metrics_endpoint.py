@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import start_train, wait_for
 from labrun.cli.hydra_app import user_error_message
-from labrun.config import schema as config
+from labrun.config import validation
 from labrun.runs.rundir import RunDir
 from labrun.track import metrics_endpoint
 from labrun.track.metrics_endpoint import FAMILIES, GPU_FAMILIES, Endpoint, TrainingStats
@@ -309,7 +309,7 @@ MISTAKES = {
 def test_monitor_mistakes_give_one_clear_line(mistake, composed):
     override, expected = MISTAKES[mistake]
     with pytest.raises(Exception) as caught:
-        config.validate(composed(override))
+        validation.validate(composed(override))
     message = user_error_message(caught.value)
     assert message is not None and "\n" not in message
     assert expected in message, message
@@ -317,7 +317,7 @@ def test_monitor_mistakes_give_one_clear_line(mistake, composed):
 
 @pytest.mark.parametrize("bind", ["node", "0.0.0.0", "::1", "10.77.0.11"])
 def test_monitor_bind_takes_addresses_and_node(bind, composed):
-    config.validate(composed(f"monitor.bind={bind}"))
+    validation.validate(composed(f"monitor.bind={bind}"))
 
 
 class FakeNvml:

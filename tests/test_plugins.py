@@ -159,10 +159,10 @@ def test_a_labs_dataset_format_and_logger_backend(composed, lab_path, tmp_path):
 
 def test_timm_model_through_the_config(composed):
     from labrun import models
-    from labrun.config import schema
+    from labrun.config import validation
 
     cfg = composed("model=timm", "model.name=resnet10t", "model.drop_rate=0.1")
-    schema.validate(cfg)
+    validation.validate(cfg)
     model = models.build(cfg.model, num_classes=7).eval()
     assert type(model).__module__.startswith("timm.")
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """`labrun configs check`: compose the primary config with its defaults, then every option of
 every config group (experiment presets included) on top of the defaults, as `python train.py
-group=option` would, and validate each against the schemas and `labrun.config.schema.validate`.
+group=option` would, and validate each against the schemas and `labrun.config.validation.validate`.
 Prints one line per problem, `FILE: KEY: what is wrong`, then a count; exits 1 when anything
 fails."""
 
@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from labrun.config import schema as config
+from labrun.config import validation
 from labrun.config.messages import user_error_message
 from labrun.config.resolve import PRIMARY, Leaves, flatten, hydra_context
 from labrun.core.errors import ConfigError, first_line
@@ -148,9 +149,9 @@ def check_one(target: Target, config_dir: Path, config_name: str, placeholder: s
 
 
 def _validation_problem(cfg: DictConfig, file: str) -> Problem | None:
-    """labrun.config.schema.validate's first complaint (it stops at the first)."""
+    """labrun.config.validation.validate's first complaint (it stops at the first)."""
     try:
-        config.validate(cfg)
+        validation.validate(cfg)
     except ConfigError as error:
         return Problem(file, _key_of(str(error)), str(error))
     except OmegaConfBaseException as error:  # it read a key that cannot resolve

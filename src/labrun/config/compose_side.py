@@ -43,6 +43,8 @@ def main() -> int:
     config_dir, config_name = sys.argv[1], sys.argv[2]
     targets = json.loads(sys.argv[3])
     schema = _side_module("labrun.config.schema", "labrun.config")
+    # validate() moved from the schemas into config/validation.py; older sides have it there.
+    validator = _side_module("labrun.config.validation", "labrun.config.schema", "labrun.config")
     facts = _side_module("labrun.config.facts")
     if schema is not None and hasattr(schema, "register"):
         schema.register()
@@ -52,7 +54,7 @@ def main() -> int:
     with initialize_config_dir(config_dir=config_dir, version_base="1.3",
                                job_name="labrun_review"), tempfile.TemporaryDirectory() as spare:
         for target in targets:
-            result = compose_one(target["overrides"], config_name, schema, spare)
+            result = compose_one(target["overrides"], config_name, validator, spare)
             results[target["name"]] = result
             keys.update(result["values"])
     table = None
@@ -68,7 +70,7 @@ def main() -> int:
     return 0
 
 
-def compose_one(overrides: list[str], config_name: str, schema: Any, spare: str
+def compose_one(overrides: list[str], config_name: str, validator: Any, spare: str
                 ) -> dict[str, Any]:
     result: dict[str, Any] = {"error": None, "stage": None, "values": {}, "runtime": []}
     try:
@@ -78,14 +80,14 @@ def compose_one(overrides: list[str], config_name: str, schema: Any, spare: str
         return result
     values, runtime, missing = flatten(cfg)
     result.update(values=values, runtime=runtime)
-    if schema is not None and hasattr(schema, "validate"):
+    if validator is not None and hasattr(validator, "validate"):
         for key in missing:  # `???` on purpose (dataset.root): given on the command line
             try:
                 OmegaConf.update(cfg, key, spare, merge=False)
             except Exception:
                 pass
         try:
-            schema.validate(cfg)
+            validator.validate(cfg)
         except Exception as error:
             result.update(error=_message(error), stage="validate")
     return result

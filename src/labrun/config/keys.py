@@ -1,4 +1,4 @@
-"""Which keys a config section may hold beyond its schema's fields (used by config.validate).
+"""Which keys a config section may hold beyond its schema's fields (used by config.validation.validate).
 
 Hydra's `+KEY=VALUE` adds a key even into a typed section, where nothing would read it. Each
 schema in config.py says which new keys it takes with its class attribute `new_keys`; the

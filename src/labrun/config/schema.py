@@ -2,8 +2,8 @@
 
 Each YAML file in conf/ starts from one of these schemas (its defaults list names
 `/schema/<group>/<name>@_here_`), so Hydra checks key names and types while it composes, and
-`python train.py optimizer.lr=abc` fails before anything runs. `validate()` then checks what
-types cannot express: ranges, choices, paths and how keys fit together.
+`python train.py optimizer.lr=abc` fails before anything runs. config/validation.py then checks
+what types cannot express: ranges, choices, paths and how keys fit together.
 
 A key added with `+` (which Hydra lets through even into a typed section) must be one something
 reads: each schema says which new keys it takes with its class attribute `new_keys`, and
@@ -12,26 +12,22 @@ reads: each schema says which new keys it takes with its class attribute `new_ke
 Fields declared with `key(...)` carry their facts (a path? may it change on resume? does it change
 the result?) as metadata; config/facts.py derives every key list from them.
 
-About 475 lines, over the ~400 guideline: one short dataclass per config option plus the
-validation of what types cannot say; split by group, the schemas would no longer read as the one
-table of every key labrun takes.
+One file on purpose: split by group, the schemas would no longer read as the one table of every
+key labrun takes.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
-from labrun.config.fields import collect, key
-from labrun.config.keys import NewKeys, check_keys
-from labrun.core.errors import ConfigError
+from labrun.config.fields import key
+from labrun.config.keys import NewKeys
 
 # ---------------------------------------------------------------------------------------------
 # Top level
@@ -363,114 +359,3 @@ def run_token() -> str:
     resolves the same folder name.
     """
     return os.environ.setdefault("LABRUN_RUN_TOKEN", secrets.token_hex(2))
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation of what types cannot say
-
-
-CHOICES = {
-    "trainer.accelerator": ("auto", "cpu", "cuda", "mps"),
-    "trainer.nan_policy": ("stop", "skip"),
-    "trainer.progress": ("auto", "bar", "log", "none"),
-    "checkpoint.mode": ("max", "min"),
-    "precision.name": ("fp32", "bf16", "fp16"),
-    "logger.mode": ("auto", "online", "offline", "disabled"),
-    "distributed.backend": ("auto", "nccl", "gloo"),
-    "dataset.decode": ("workers", "cpu", "cuda"),
-}
-POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
-            "dataset.image_size", "optimizer.lr", "trainer.log_every_n_steps")
-NON_NEGATIVE = ("optimizer.weight_decay", "trainer.grad_clip", "checkpoint.keep_last",
-                "checkpoint.every_n_steps", "dataset.num_workers", "schedule.warmup_epochs")
-
-
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError naming the first key that cannot work, and how to fix it."""
-    check_keys(cfg)
-    for dotted, choices in CHOICES.items():
-        value = OmegaConf.select(cfg, dotted)
-        if value is not None and value not in choices:
-            raise ConfigError(f"{dotted}={value} is not one of: {', '.join(choices)}")
-    for dotted in POSITIVE:
-        value = OmegaConf.select(cfg, dotted)
-        if value is not None and not value > 0:
-            raise ConfigError(f"{dotted}={value} must be greater than 0")
-    for dotted in NON_NEGATIVE:
-        value = OmegaConf.select(cfg, dotted)
-        if value is not None and value < 0:
-            raise ConfigError(f"{dotted}={value} must be 0 or more")
-    if cfg.dataset.get("decode") == "cuda" and cfg.trainer.accelerator in ("cpu", "mps"):
-        raise ConfigError(f"dataset.decode=cuda puts batches on the GPU, but "
-                          f"trainer.accelerator={cfg.trainer.accelerator}; use "
-                          f"dataset.decode=cpu or workers")
-    fraction = cfg.dataset.val_fraction
-    if not 0 <= fraction < 1:
-        raise ConfigError(f"dataset.val_fraction={fraction} must be in [0, 1)")
-    world_size = cfg.trainer.devices * cfg.trainer.num_nodes
-    micro = cfg.trainer.micro_batch_size
-    if micro != "auto":
-        if not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0:
-            raise ConfigError(
-                f"trainer.micro_batch_size={micro} must be a positive integer or auto")
-        if cfg.trainer.batch_size % (micro * world_size):
-            raise ConfigError(
-                f"trainer.batch_size={cfg.trainer.batch_size} is not divisible by "
-                f"trainer.micro_batch_size x world size = {micro} x {world_size}; "
-                f"pick a batch_size that is a multiple of {micro * world_size}")
-    elif cfg.trainer.batch_size % world_size:
-        raise ConfigError(
-            f"trainer.batch_size={cfg.trainer.batch_size} is not divisible by the world size "
-            f"{world_size} (trainer.devices x trainer.num_nodes)")
-    for dotted, facts in collect(SCHEMAS).items():
-        if facts.must_exist:
-            _check_exists(cfg, dotted)
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "never") and not Path(resume).is_file():
-        raise ConfigError(
-            f"checkpoint.resume={resume}: no such file; give a checkpoint path, auto or never")
-    _validate_monitor(cfg)
-
-
-def _validate_monitor(cfg: DictConfig) -> None:
-    monitor = cfg.get("monitor")
-    if monitor is None:
-        return
-    if not 0 <= monitor.port <= 65535:
-        raise ConfigError(f"monitor.port={monitor.port} must be in 0..65535 (0: a free port)")
-    if monitor.bind != "node":
-        try:
-            ipaddress.ip_address(monitor.bind)
-        except ValueError:
-            # A host name would be looked up in DNS on every node; an address says where.
-            raise ConfigError(
-                f"monitor.bind={monitor.bind} is not an IP address; use 127.0.0.1 (this "
-                f"machine only), node (this node's address towards the SLURM controller) or "
-                f"an address of this machine") from None
-    if not monitor.gpu_poll_s > 0:
-        raise ConfigError(f"monitor.gpu_poll_s={monitor.gpu_poll_s} must be greater than 0")
-    for name in ("data_bound_wait_frac", "gpu_idle_util"):
-        value = monitor[name]
-        if not 0 < value < 1:
-            raise ConfigError(f"monitor.{name}={value} must be a fraction in (0, 1), "
-                              f"e.g. 0.3")
-
-
-def _check_exists(cfg: DictConfig, key: str) -> None:
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(cfg, parent)
-    if not isinstance(node, DictConfig) or leaf not in node.keys():
-        return
-    if OmegaConf.is_missing(node, leaf):
-        raise ConfigError(f"{key} is required with {parent}={_option_name(cfg, parent)}; "
-                          f"add {key}=...")
-    value = node[leaf]
-    if value is None or (key == "dataset.root" and node.get("download")):
-        return  # unset, or downloaded on first use
-    if not Path(value).exists():
-        raise ConfigError(f"{key}={value}: no such file or folder; check the path")
-
-
-def _option_name(cfg: DictConfig, group: str) -> str:
-    node = OmegaConf.select(cfg, group)
-    return node.get("name", "...") if isinstance(node, DictConfig) else "..."

@@ -20,8 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from labrun import data, models
-from labrun.config import facts
-from labrun.config import schema as config
+from labrun.config import facts, validation
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.core.project import PROJECT_DIR
 from labrun.runs import lock as run_lock
@@ -41,7 +40,7 @@ MOVED_TARGETS = {"labrun.schedules.": "labrun.train.schedules."}
 
 
 def train(cfg: DictConfig) -> float | None:
-    config.validate(cfg)
+    validation.validate(cfg)
     # Rank 0 holds the run folder (runs/lock.py): taken already by the Hydra callback or the
     # launcher before Hydra wrote in it; taken here on any other way in (a Hydra launcher not
     # labrun's, a call from Python). The processes started below inherit the right.
