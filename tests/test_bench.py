@@ -17,7 +17,7 @@ from labrun.bench import data as bench_data
 from labrun.bench import serve as bench_serve
 from labrun.bench import trainer as bench_trainer
 from labrun.bench.data import DATA_TARGETS
-from labrun.bench.serve import SERVE_TARGETS, serve_targets
+from labrun.bench.serve import SERVE_TARGETS, serve_targets, serving_bound
 from labrun.bench.trainer import STARTUP_TARGETS, TRAINER_TARGETS
 
 REQUIRED_SPEEDUP = next(t for t in DATA_TARGETS if t.figure == "speedup").bound
@@ -29,9 +29,10 @@ def data_figures(speedup: float, of_ceiling: float) -> dict[str, float]:
 
 
 def serve_figures(errors: int = 0, to_ceiling: float = 1.0, gain: float = 1.0,
-                  p99_to_bound: float = 0.5) -> dict[str, float]:
+                  p99_to_bound: float = 0.5, to_bound: float = 1.0) -> dict[str, float]:
     return {"errors": errors, "served": 40.0 * to_ceiling, "ceiling": 40.0,
-            "ratio_to_ceiling": to_ceiling, "unbatched": 40.0 * to_ceiling / gain,
+            "ratio_to_ceiling": to_ceiling, "bound": 40.0 * to_ceiling / to_bound,
+            "ratio_to_bound": to_bound, "unbatched": 40.0 * to_ceiling / gain,
             "ratio_batched_to_unbatched": gain, "p99_1_ms": 50.0 * p99_to_bound,
             "bound_1_ms": 50.0, "p99_1_to_bound": p99_to_bound}
 
@@ -103,6 +104,14 @@ def test_the_batching_gain_is_required_on_cuda_only(device, capsys):
         assert "on CUDA only; here: cpu" in row and "NOT met (not checked)" in row
 
 
+def test_the_serving_bound_adds_both_costs_on_a_cpu_and_overlaps_them_on_a_gpu():
+    # 1/60 + 1/300 s a request: the model's and the rest's work take turns on the same cores.
+    assert serving_bound(60.0, 300.0, "cpu") == pytest.approx(50.0)
+    # The model on the GPU, the rest on the CPU: the slower side sets the pace.
+    assert serving_bound(60.0, 300.0, "cuda") == 60.0
+    assert serving_bound(600.0, 300.0, "cuda") == 300.0
+
+
 @pytest.mark.parametrize("target", [*TRAINER_TARGETS, *STARTUP_TARGETS,
                                     *serve_targets("cuda")], ids=lambda t: t.figure)
 def test_each_benchmark_fails_on_either_side_of_its_bound(target):
@@ -159,8 +168,8 @@ def test_bench_all_check_through_the_cli_exits_0_when_all_are_met(monkeypatch, c
     assert out.count("benchmark targets") == 1
     table = out[out.index("benchmark targets"):]
     for figure in ("data speedup", "data of_ceiling", "trainer ratio", "startup difference_s",
-                   "serve errors", "serve ratio_to_ceiling", "serve ratio_batched_to_unbatched",
-                   "serve p99_1_to_bound"):
+                   "serve errors", "serve ratio_to_ceiling", "serve ratio_to_bound",
+                   "serve ratio_batched_to_unbatched", "serve p99_1_to_bound"):
         assert f" {figure} " in table, figure
     assert cli.main(["bench", "all"]) == 0
 

@@ -301,21 +301,22 @@ def test_close_answers_every_waiting_caller_and_refuses_new_items():
     assert model.batches == [["running"]]
 
 
-def test_two_model_threads_run_two_batches_at_once():
-    """On a CPU the server keeps two model calls in flight (batching.model_threads), so the
-    cores do not idle in one call's serial parts. Each call here waits until the other has
-    started too: one model thread at a time would time out (BrokenBarrierError)."""
-    both_running = threading.Barrier(2, timeout=10)
+def test_model_calls_run_that_many_batches_at_once():
+    """On a CPU the server keeps one model call per core plus one in flight
+    (batching.model_calls). Each call here waits until the others have started too: fewer
+    calls at a time would time out (BrokenBarrierError)."""
+    all_running = threading.Barrier(3, timeout=10)
 
     def model(items):
-        both_running.wait()
+        all_running.wait()
         return [("out", item) for item in items]
 
     async def main():
-        batcher = Batcher(model, max_batch=1, max_delay_ms=0, model_threads=2)
-        answers = await asyncio.gather(batcher.submit("a"), batcher.submit("b"))
+        batcher = Batcher(model, max_batch=1, max_delay_ms=0,
+                          model_calls=batching.model_calls("cpu", cores=2))
+        answers = await asyncio.gather(*(batcher.submit(x) for x in "abc"))
         await batcher.close()
         return answers
 
-    assert asyncio.run(main()) == [(("out", "a"), 1), (("out", "b"), 1)]
-    assert batching.model_threads("cpu") == 2 and batching.model_threads("cuda") == 1
+    assert asyncio.run(main()) == [(("out", x), 1) for x in "abc"]
+    assert batching.model_calls("cuda", cores=2) == 1

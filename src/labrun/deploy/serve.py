@@ -16,7 +16,8 @@ seconds is disconnected (HeaderDeadlineProtocol), so slow clients cannot hold ev
 Dynamic batching: each request's image is decoded and preprocessed in the thread pool, then
 concurrent requests' images (those of /predict/batch too) share one model call of up to
 --max-batch images, gathered for at most --max-delay-ms after the first (labrun.deploy.batching);
-the model runs in its own thread, off the event loop, and each caller gets its own answer.
+the model runs in its own threads, off the event loop (on a CPU, one call per core plus one,
+each on one thread), and each caller gets its own answer.
 Each answer's X-Batch-Size header says how many images its model call took.
 """
 
@@ -61,8 +62,8 @@ HEADER_TIMEOUT_S = 10.0
 # on a loaded 2-core machine, where the 5 s default restarted every worker forever.
 WORKER_HEALTHCHECK_TIMEOUT_S = 60
 TopK = Annotated[int, Query(ge=1, le=1000, description="how many classes to return")]
-ENV_MODEL, ENV_MAX_BYTES, ENV_THREADS = ("LABRUN_SERVE_MODEL", "LABRUN_SERVE_MAX_UPLOAD_BYTES",
-                                         "LABRUN_SERVE_THREADS")
+ENV_MODEL, ENV_MAX_BYTES, ENV_CORES = ("LABRUN_SERVE_MODEL", "LABRUN_SERVE_MAX_UPLOAD_BYTES",
+                                       "LABRUN_SERVE_CORES")
 ENV_HEADER_TIMEOUT = "LABRUN_SERVE_HEADER_TIMEOUT_S"
 # Dynamic batching's defaults (labrun.deploy.batching says how they were measured).
 MAX_BATCH, MAX_DELAY_MS = batching.MAX_BATCH, batching.MAX_DELAY_MS
@@ -95,8 +96,8 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
         raise LabrunError(f"--max-delay-ms={max_delay_ms:g} must be 0 or more")
     check_port(host, port)
     max_bytes = int(max_upload_mb * 2**20)
-    threads = inference.default_threads(workers)
-    predictor, tmp = load.load(model, threads)
+    cores = inference.default_threads(workers)  # each worker's share
+    predictor, tmp = load.load(model, batching.THREADS_PER_CALL)
     metrics_folder = serve_metrics.prepare(workers)  # before uvicorn starts the workers
     try:
         meta = predictor.metadata
@@ -116,11 +117,11 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
                       http=f"{__name__}:{HeaderDeadlineProtocol.__name__}")
         if workers == 1:
             uvicorn.run(create_app(predictor, max_bytes, max_batch=max_batch,
-                                   max_delay_ms=max_delay_ms), **common)
+                                   max_delay_ms=max_delay_ms, cores=cores), **common)
         else:
             # Each worker process builds its own app from the (exported) model file.
             os.environ.update({ENV_MODEL: str(predictor.model_path), ENV_MAX_BYTES: str(max_bytes),
-                               ENV_THREADS: str(threads), ENV_MAX_BATCH: str(max_batch),
+                               ENV_CORES: str(cores), ENV_MAX_BATCH: str(max_batch),
                                ENV_MAX_DELAY_MS: str(max_delay_ms)})
             del predictor
             if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters:
@@ -135,6 +136,11 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
 
 class HeaderDeadlineProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, plus a deadline for each request head (HEADER_TIMEOUT_S).
+
+    h11's rather than httptools': httptools' C parser answered 10% more requests/s without a
+    model (`labrun bench serve`'s free-model server, medians of 6 alternating rounds: 338 and 343
+    against 303 and 315), but it takes a request head of any size, where h11 refuses one over
+    16 KiB (tests/faults/test_server.py, huge headers).
 
     The deadline starts when the connection opens, or when the first byte of a next request on
     a kept-alive connection arrives (uvicorn's keep-alive timeout covers the silence before it),
@@ -180,10 +186,11 @@ class HeaderDeadlineProtocol(H11Protocol):
 
 def app_from_env():
     """uvicorn's app factory for --workers N: each worker loads the model once."""
-    predictor = inference.Predictor(os.environ[ENV_MODEL], int(os.environ[ENV_THREADS]))
+    predictor = inference.Predictor(os.environ[ENV_MODEL], batching.THREADS_PER_CALL)
     return create_app(predictor, int(os.environ[ENV_MAX_BYTES]),
                       max_batch=int(os.environ[ENV_MAX_BATCH]),
-                      max_delay_ms=float(os.environ[ENV_MAX_DELAY_MS]))
+                      max_delay_ms=float(os.environ[ENV_MAX_DELAY_MS]),
+                      cores=int(os.environ[ENV_CORES]))
 
 
 def check_port(host: str, port: int) -> None:
@@ -210,11 +217,14 @@ def is_loopback(host: str) -> bool:
 
 
 def create_app(predictor: inference.Predictor, max_upload_bytes: int, *,
-               max_batch: int = MAX_BATCH, max_delay_ms: float = MAX_DELAY_MS):
+               max_batch: int = MAX_BATCH, max_delay_ms: float = MAX_DELAY_MS,
+               cores: int | None = None):
+    """The server's ASGI app; `cores`: what its model calls share (default: this machine's)."""
     # Every model call goes through the batcher, --max-batch 1 included (then one image a call).
+    calls = batching.model_calls(predictor.device, cores or inference.default_threads(1))
     batcher = batching.Batcher(lambda images: predictor.logits(torch.stack(images)),
                                max_batch=max_batch, max_delay_ms=max_delay_ms,
-                               model_threads=batching.model_threads(predictor.device))
+                               model_calls=calls)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

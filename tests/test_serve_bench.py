@@ -1,0 +1,37 @@
+"""`labrun bench serve` for real, at a small size: three real servers, the stdlib clients, the
+ceiling, the free-model side and the figures derived from them (test_bench.py injects figures
+to test the verdicts; this checks that the benchmark measures them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from labrun import cli
+
+
+def test_bench_serve_runs_every_side_and_derives_its_figures(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    # 64 px and a few requests: the benchmark's path, not its figures.
+    code = cli.main(["bench", "serve", "--requests", "24", "--clients", "4", "--rounds", "1",
+                     "--image-size", "64", "--json", str(out)])
+    assert code == 0  # no --check: misses are reported, not fatal
+    result = json.loads(out.read_text())
+    assert result["errors"] == 0 and result["client"] == "http.client"
+    for side in ("served", "unbatched", "free_model", "direct"):
+        assert result[side]["count"] == 24 and result[side]["per_s"] > 0, side
+    served, ceiling = result["served"]["per_s"], result["ceiling"]["per_s"]
+    by_way = result["ceiling"]["by_way"]
+    assert set(by_way) == {"one call on every core", "one call per core at once"}
+    assert ceiling == max(*(v for way in by_way.values() for v in way.values()),
+                          result["direct"]["per_s"])
+    # The free model does ~0.1% of ResNet-18's work, so its server answers faster.
+    assert result["free_model"]["per_s"] > result["served"]["per_s"]
+    bound = 1 / (1 / ceiling + 1 / result["free_model"]["per_s"])
+    assert result["bound"]["per_s"] == pytest.approx(bound)
+    assert result["ratio_to_bound"] == pytest.approx(served / bound)
+    assert result["ratio_to_ceiling"] == pytest.approx(served / ceiling)
+    assert set(result["latency"]) == {"1", "4"}
+    table = capsys.readouterr().out
+    assert " serve ratio_to_bound " in table and "... with a free model" in table
