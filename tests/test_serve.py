@@ -29,8 +29,8 @@ import yaml
 from omegaconf import OmegaConf
 from PIL import Image
 
-from conftest import LABRUN, PROJECT, run_labrun
-from labrun import models
+from conftest import LABRUN, PROJECT, digit_jpeg, run_labrun
+from labrun import cli, models
 from labrun.data import digits
 from labrun.data.transforms import ValTransform, normalize_on_device
 from labrun.deploy import runtime as inference
@@ -161,10 +161,33 @@ def assert_healthy(url: str, jpeg: bytes) -> None:
 
 def test_health_and_metadata(server):
     health = httpx.get(f"{server}/health").json()
+    # On a CPU: one model call per core plus one, on one thread each (labrun.deploy.batching).
     assert health == {"status": "ok", "model": "digits.onnx", "format": "onnx",
-                      "num_classes": 10}
+                      "num_classes": 10, "device": "cpu", "model_calls": os.cpu_count() + 1,
+                      "threads_per_call": 1}
     meta = httpx.get(f"{server}/metadata").json()
     assert meta["class_names"] == [str(d) for d in range(10)] and meta["image_size"] == 32
+
+
+def test_model_calls_1_gives_the_one_call_every_core_and_the_same_answers(server, onnx_model,
+                                                                          tmp_path):
+    jpeg = digit_jpeg()
+    with serving(onnx_model, tmp_path / "server.log", args=("--model-calls", "1"),
+                 cwd=PROJECT) as served:
+        health = httpx.get(f"{served.url}/health", timeout=10).json()
+        answer = httpx.post(f"{served.url}/predict", files={"file": ("3.jpg", jpeg)},
+                            timeout=60).json()
+    assert (health["model_calls"], health["threads_per_call"]) == (1, os.cpu_count())
+    expected = httpx.post(f"{server}/predict", files={"file": ("3.jpg", jpeg)},
+                          timeout=60).json()
+    assert [t["index"] for t in answer["top"]] == [t["index"] for t in expected["top"]]
+    for got, want in zip(answer["top"], expected["top"], strict=True):
+        assert got["prob"] == pytest.approx(want["prob"], abs=1e-4)
+
+
+def test_model_calls_below_1_is_refused_in_one_line(onnx_model, capsys):
+    assert cli.main(["serve", str(onnx_model), "--model-calls", "0"]) == 2
+    assert "--model-calls=0 must be 1 or more" in capsys.readouterr().err
 
 
 def test_the_server_decodes_jpegs_no_smaller_than_the_val_resize_needs(onnx_model):

@@ -319,4 +319,10 @@ def test_model_calls_run_that_many_batches_at_once():
         return answers
 
     assert asyncio.run(main()) == [(("out", x), 1) for x in "abc"]
+
+
+def test_model_calls_share_out_the_cores():
     assert batching.model_calls("cuda", cores=2) == 1
+    assert batching.model_calls("cpu", cores=16, requested=2) == 2
+    assert batching.threads_per_call(2, calls=3) == 1
+    assert batching.threads_per_call(16, calls=2) == 8

@@ -127,10 +127,11 @@ def run(args) -> list[Verdict]:
         free_model = export_model(folder / "free", args.image_size, fmt, FREE_MODEL)
         jpegs = make_jpegs(args.image_size)
         bodies = [multipart_body(f"{i}.jpg", jpeg) for i, jpeg in enumerate(jpegs)]
-        # The direct side: the server's runtime (one intra-op thread a call on a CPU), its
-        # inputs already decoded, resized and normalised.
-        predictor = inference.Predictor(model, batching.THREADS_PER_CALL)
+        # The direct side: the server's runtime (by default one intra-op thread a call on a
+        # CPU), its inputs already decoded, resized and normalised.
         cores = inference.default_threads(1)
+        predictor = inference.Predictor(model, batching.threads_per_call(
+            cores, batching.model_calls("cpu", cores)))
         # The ceiling's other way of using the cores: one call on all of them.
         whole = inference.Predictor(model, cores)
         images = torch.stack([predictor.preprocess(predictor.decode(j)) for j in jpegs])

@@ -26,6 +26,10 @@ def configure(parser) -> None:
     parser.add_argument("--max-delay-ms", type=float, default=MAX_DELAY_MS, metavar="T",
                         help="how long a request may wait for others to join its model call, "
                              f"in milliseconds (default {MAX_DELAY_MS:g})")
+    parser.add_argument("--model-calls", type=int, default=None, metavar="N",
+                        help="model calls at once, sharing the cores (default: one on a GPU; "
+                             "on a CPU one per core plus one, on one thread each, the most "
+                             "requests/s under load; 1: a lone request answered soonest)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
 
@@ -34,4 +38,4 @@ def run(args) -> int:
     return serve.serve(args.model, host=args.host, port=args.port, workers=args.workers,
                        max_upload_mb=args.max_upload_mb, header_timeout=args.header_timeout,
                        log_level=args.log_level, max_batch=args.max_batch,
-                       max_delay_ms=args.max_delay_ms)
+                       max_delay_ms=args.max_delay_ms, model_calls=args.model_calls)

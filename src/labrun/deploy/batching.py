@@ -16,13 +16,17 @@ get the exception; the consumer goes on with the next batch.
 
 At most `model_calls` model calls run at once (one consumer gathers the next batch while they
 run). One is right on a GPU, where a stream of larger batches is what batching is for. On a CPU
-the server runs one call per core plus one, each on a single intra-op thread
-(THREADS_PER_CALL), rather than one call at a time on every core: calls on one thread never
-wait for each other's threads at the end of each operator, and the spare call keeps the cores
-busy while another call's batch is being gathered. Measured with 16 clients on 2 cores
-(ResNet-18, 224 px, 6 alternating rounds of 300 requests, req/s best and median): 3 calls on
-1 thread each 59.2 and 54.5; 3 calls on 2 threads 52.3 and 50.2; 2 calls on 2 threads (the
-previous setting) 48.4 and 47.0; 1 call on 2 threads 50.0 and 47.0 in an earlier run.
+the server runs by default one call per core plus one, each on one intra-op thread, rather than
+one call at a time on every core: calls on one thread never wait for each other's threads at
+the end of each operator, and the spare call keeps the cores busy while another call's batch is
+being gathered. Measured with 16 clients on 2 cores (ResNet-18, 224 px, 6 alternating rounds of
+300 requests, req/s best and median): 3 calls on 1 thread each 59.2 and 54.5; 3 calls on 2
+threads 52.3 and 50.2; 2 calls on 2 threads (the previous setting) 48.4 and 47.0; 1 call on 2
+threads 50.0 and 47.0 in an earlier run. The price is a lone request's time, since its call
+has one core: `labrun serve --model-calls N` shares the cores out among N calls instead
+(threads_per_call), and --model-calls 1 answers a lone request soonest (one client, p50 of 40
+requests in each of 4 rounds: 29-34 ms, against 38-47 ms by default; 16 clients: 42-47 req/s,
+against 40-58).
 
 Hand-written (one asyncio.Queue and one task) because the field's dynamic batchers (Ray Serve's
 @serve.batch, Triton's, TorchServe's, LitServe's) come only inside their own serving stacks,
@@ -55,14 +59,17 @@ MAX_BATCH = 16
 MAX_DELAY_MS = 2.0
 
 
-# Intra-op threads of each model call in `labrun serve` (the module's docstring says why).
-THREADS_PER_CALL = 1
-
-
-def model_calls(device: str, cores: int) -> int:
-    """Model calls at once on `cores` (the module's docstring says why): one on a GPU, one per
-    core plus one on a CPU."""
+def model_calls(device: str, cores: int, requested: int | None = None) -> int:
+    """Model calls at once on `cores`: `requested` (--model-calls), else one on a GPU and one
+    per core plus one on a CPU (the module's docstring says why)."""
+    if requested is not None:
+        return requested
     return 1 if device == "cuda" else cores + 1
+
+
+def threads_per_call(cores: int, calls: int) -> int:
+    """Intra-op threads of each model call: the cores shared out, at least one a call."""
+    return max(1, cores // calls)
 
 T = TypeVar("T")
 R = TypeVar("R")

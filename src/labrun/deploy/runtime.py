@@ -152,6 +152,7 @@ class Predictor:
 
     def __init__(self, model_path: str | Path, threads: int | None = None):
         self.model_path = Path(model_path)
+        self.threads = threads  # the runtime's intra-op threads (None: its own default)
         self.metadata = read_metadata(self.model_path)
         meta = self.metadata
         self.class_names: list[str] = list(meta["class_names"])

@@ -68,6 +68,7 @@ ENV_HEADER_TIMEOUT = "LABRUN_SERVE_HEADER_TIMEOUT_S"
 # Dynamic batching's defaults (labrun.deploy.batching says how they were measured).
 MAX_BATCH, MAX_DELAY_MS = batching.MAX_BATCH, batching.MAX_DELAY_MS
 ENV_MAX_BATCH, ENV_MAX_DELAY_MS = "LABRUN_SERVE_MAX_BATCH", "LABRUN_SERVE_MAX_DELAY_MS"
+ENV_MODEL_CALLS = "LABRUN_SERVE_MODEL_CALLS"  # empty: batching.model_calls' default
 # On each answer: how many images the model call that answered it took (/predict/batch: one
 # number per file, in order), to see batching at work from a client.
 BATCH_SIZE_HEADER = "X-Batch-Size"
@@ -80,7 +81,7 @@ BATCH_SIZE_HEADER = "X-Batch-Size"
 def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1,
           max_upload_mb: float = 10.0, header_timeout: float = HEADER_TIMEOUT_S,
           log_level: str = "info", max_batch: int = MAX_BATCH,
-          max_delay_ms: float = MAX_DELAY_MS) -> int:
+          max_delay_ms: float = MAX_DELAY_MS, model_calls: int | None = None) -> int:
     """Serve MODEL until the server is stopped (Ctrl-C, SIGTERM)."""
     import uvicorn
 
@@ -94,10 +95,12 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
         raise LabrunError(f"--max-batch={max_batch} must be 1 or more (1: no batching)")
     if max_delay_ms < 0:
         raise LabrunError(f"--max-delay-ms={max_delay_ms:g} must be 0 or more")
+    if model_calls is not None and model_calls < 1:
+        raise LabrunError(f"--model-calls={model_calls} must be 1 or more")
     check_port(host, port)
     max_bytes = int(max_upload_mb * 2**20)
     cores = inference.default_threads(workers)  # each worker's share
-    predictor, tmp = load.load(model, batching.THREADS_PER_CALL)
+    predictor, tmp, calls = load_model(model, cores, model_calls)
     metrics_folder = serve_metrics.prepare(workers)  # before uvicorn starts the workers
     try:
         meta = predictor.metadata
@@ -117,12 +120,13 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
                       http=f"{__name__}:{HeaderDeadlineProtocol.__name__}")
         if workers == 1:
             uvicorn.run(create_app(predictor, max_bytes, max_batch=max_batch,
-                                   max_delay_ms=max_delay_ms, cores=cores), **common)
+                                   max_delay_ms=max_delay_ms, model_calls=calls), **common)
         else:
             # Each worker process builds its own app from the (exported) model file.
             os.environ.update({ENV_MODEL: str(predictor.model_path), ENV_MAX_BYTES: str(max_bytes),
                                ENV_CORES: str(cores), ENV_MAX_BATCH: str(max_batch),
-                               ENV_MAX_DELAY_MS: str(max_delay_ms)})
+                               ENV_MAX_DELAY_MS: str(max_delay_ms),
+                               ENV_MODEL_CALLS: "" if model_calls is None else str(model_calls)})
             del predictor
             if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters:
                 common["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_TIMEOUT_S
@@ -186,11 +190,22 @@ class HeaderDeadlineProtocol(H11Protocol):
 
 def app_from_env():
     """uvicorn's app factory for --workers N: each worker loads the model once."""
-    predictor = inference.Predictor(os.environ[ENV_MODEL], batching.THREADS_PER_CALL)
+    requested = os.environ[ENV_MODEL_CALLS]
+    predictor, _, calls = load_model(os.environ[ENV_MODEL], int(os.environ[ENV_CORES]),
+                                     int(requested) if requested else None)
     return create_app(predictor, int(os.environ[ENV_MAX_BYTES]),
                       max_batch=int(os.environ[ENV_MAX_BATCH]),
-                      max_delay_ms=float(os.environ[ENV_MAX_DELAY_MS]),
-                      cores=int(os.environ[ENV_CORES]))
+                      max_delay_ms=float(os.environ[ENV_MAX_DELAY_MS]), model_calls=calls)
+
+
+def load_model(model: str | Path, cores: int, model_calls: int | None
+               ) -> tuple[inference.Predictor, Path | None, int]:
+    """The predictor (load.load), its temp folder, and how many model calls run at once."""
+    # Intra-op threads are fixed when the model loads, before its device is known: they are
+    # shared out as on a CPU (on a GPU, where one call runs at a time, they barely matter).
+    threads = batching.threads_per_call(cores, batching.model_calls("cpu", cores, model_calls))
+    predictor, tmp = load.load(model, threads)
+    return predictor, tmp, batching.model_calls(predictor.device, cores, model_calls)
 
 
 def check_port(host: str, port: int) -> None:
@@ -218,13 +233,11 @@ def is_loopback(host: str) -> bool:
 
 def create_app(predictor: inference.Predictor, max_upload_bytes: int, *,
                max_batch: int = MAX_BATCH, max_delay_ms: float = MAX_DELAY_MS,
-               cores: int | None = None):
-    """The server's ASGI app; `cores`: what its model calls share (default: this machine's)."""
+               model_calls: int = 1):
     # Every model call goes through the batcher, --max-batch 1 included (then one image a call).
-    calls = batching.model_calls(predictor.device, cores or inference.default_threads(1))
     batcher = batching.Batcher(lambda images: predictor.logits(torch.stack(images)),
                                max_batch=max_batch, max_delay_ms=max_delay_ms,
-                               model_calls=calls)
+                               model_calls=model_calls)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -246,7 +259,9 @@ def create_app(predictor: inference.Predictor, max_upload_bytes: int, *,
     @app.get("/health")
     def health() -> dict[str, Any]:
         return {"status": "ok", "model": predictor.model_path.name,
-                "format": predictor.metadata["format"], "num_classes": predictor.num_classes}
+                "format": predictor.metadata["format"], "num_classes": predictor.num_classes,
+                "device": predictor.device, "model_calls": model_calls,
+                "threads_per_call": predictor.threads}
 
     @app.get("/metadata")
     def metadata() -> dict[str, Any]:
