@@ -69,7 +69,7 @@ class TrainingStats:
     """What the Trainer tells the endpoint, as plain Python numbers. Counters count from this
     process's start (a resumed run starts again at 0, as Prometheus expects of a counter)."""
 
-    steps: int = 0  # optimizer steps taken
+    steps: int = 0  # optimizer steps taken (also ranks/rank-N.json's optimizer_steps)
     samples: int = 0  # images trained on, over all ranks
     data_wait_s: float = 0.0  # this rank's time blocked on the loader
     last_step_at: float | None = None  # unix time of the last optimizer step

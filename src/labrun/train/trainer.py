@@ -102,7 +102,6 @@ class Trainer:
         self.epoch = 0  # the epoch in progress (0-based)
         self.position = 0  # samples of this epoch's order already trained on, on this rank
         self.step = 0  # optimizer steps so far
-        self.steps_taken = 0  # optimizer steps this process took itself (ranks/rank-N.json)
         self.best: float | None = None
         self.signals = StopSignals()
         self.stop_reason: str | None = None  # a callback ended training early (request_stop)
@@ -239,7 +238,6 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         self.scaler.step(self.optimizer)
-        self.steps_taken += 1
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -295,7 +293,7 @@ class Trainer:
         self.folder.write_rank_record(
             rank=self.dist.rank, local_rank=self.dist.local_rank,
             world_size=self.dist.world_size, status=status, resumed_from_step=resumed_from,
-            step=self.step, optimizer_steps=self.steps_taken)
+            step=self.step, optimizer_steps=self.stats.steps)
 
     # -- helpers -------------------------------------------------------------------------------
 
