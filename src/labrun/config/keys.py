@@ -68,7 +68,7 @@ def new_key_problem(node: DictConfig, key: str, path: str) -> str | None:
     takes = ""
     if new_keys is NewKeys.TARGET:
         target = _target_of(node)
-        arguments = _arguments(target) if target else None
+        arguments = target_arguments(target) if target else None
         if arguments is None or key in arguments or key in INSTANTIATE_KEYS:
             return None
         known += [name for name in arguments if name not in known]
@@ -89,7 +89,7 @@ def _target_of(node: DictConfig) -> str | None:
 
 
 @functools.cache  # each target is imported and inspected once per process
-def _arguments(target: str) -> tuple[str, ...] | None:
+def target_arguments(target: str) -> tuple[str, ...] | None:
     """The keyword arguments `target` takes; None when it takes any (**kwargs), or when it
     cannot be imported or inspected: instantiate (and `labrun configs check`) reports that."""
     try:

@@ -17,7 +17,6 @@ not, and lets a resumed run continue mid-epoch with exactly the same batches.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from labrun.config import keys
 from labrun.core.errors import DataError
 from labrun.data import batched
 from labrun.data.sources import ImageSource, hold_out
@@ -43,12 +43,11 @@ def call_target(node: DictConfig, **available: Any) -> Any:
     from a section that also holds keys for labrun (a dataset's loader takes `path`, not
     `num_workers`); one that takes **kwargs gets everything.
     """
-    target = get_object(node._target_)
-    parameters = inspect.signature(target).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    target = get_object(node._target_)  # an error names the target
+    accepted = keys.target_arguments(node._target_)  # None: it takes any
     values = {str(k): _plain(node[k]) for k in node if not str(k).startswith("_")}
     values.update(available)
-    return target(**{k: v for k, v in values.items() if takes_any or k in parameters})
+    return target(**{k: v for k, v in values.items() if accepted is None or k in accepted})
 
 
 def _plain(value: Any) -> Any:
