@@ -20,7 +20,8 @@ In one run, on the same JPEGs and the same exported model:
     ratio_to_ceiling           served req/s / ceiling images/s: what HTTP, multipart, decoding
                                and preprocessing cost on top of the model, batching included
     ratio_batched_to_unbatched served / unbatched req/s: what dynamic batching gains
-    bound                      the most a server could serve here, from the two measured costs:
+    bound                      an estimate of the most a server could serve here, from the two
+                               measured costs (noise can put served a little above it):
                                on a CPU, the model's and the rest's work take turns on the same
                                cores, 1/ceiling + 1/free_model seconds a request; on a GPU they
                                overlap, and the slower of the two sets the pace
@@ -235,8 +236,9 @@ def run(args) -> list[Verdict]:
 
 
 def serving_bound(ceiling_per_s: float, free_model_per_s: float, device: str) -> float:
-    """The most requests/s a server could answer here, from the model's best images/s alone
-    and the server's requests/s without a model (the module's docstring says why)."""
+    """An estimate of the most requests/s a server could answer here, from the model's best
+    images/s alone and the server's requests/s without a model (the module's docstring says
+    why)."""
     if device == "cuda":
         return min(ceiling_per_s, free_model_per_s)
     return 1 / (1 / ceiling_per_s + 1 / free_model_per_s)
