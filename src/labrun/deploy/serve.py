@@ -107,10 +107,11 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
         if not is_loopback(host):
             log.warning("warning: binding %s: the server is reachable from other machines "
                         "and has no authentication", host)
-        log.info("serving %s (%s, %d classes, %s px) on http://%s:%d  POST /predict, "
-                 "POST /predict/batch, GET /health, GET /metadata, GET /metrics", model,
-                 meta["format"],
-                 predictor.num_classes, meta["image_size"], host, port)
+        log.info("serving %s (%s, %d classes, %s px; %d model calls at once on the %s, %d "
+                 "intra-op thread%s each) on http://%s:%d  POST /predict, POST /predict/batch, "
+                 "GET /health, GET /metadata, GET /metrics", model, meta["format"],
+                 predictor.num_classes, meta["image_size"], calls, predictor.device.upper(),
+                 predictor.threads, "" if predictor.threads == 1 else "s", host, port)
         os.environ[ENV_HEADER_TIMEOUT] = str(header_timeout)  # for every worker process
         # The protocol by name: a worker process then imports labrun.deploy.serve when its server
         # starts, after it began answering the supervisor's pings, not while it unpickles its
