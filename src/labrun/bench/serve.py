@@ -69,6 +69,7 @@ from labrun.bench.targets import Target, Verdict, judge, report
 from labrun.core.errors import LabrunError
 from labrun.deploy import batching, export
 from labrun.deploy import runtime as inference
+from labrun.train.checkpoint import save_weights_only
 
 NUM_IMAGES = 16
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -306,16 +307,12 @@ def export_model(folder: Path, size: int, fmt: str, model_cfg: dict[str, Any]) -
 
     class_names = [f"class_{i}" for i in range(1000)]
     model = models.build(OmegaConf.create(model_cfg), len(class_names))
-    folder.mkdir(parents=True, exist_ok=True)
-    checkpoint = folder / "model.pt"
-    torch.save({"model": model.state_dict(), "class_names": class_names, "epoch": 0, "step": 0,
-                "best": None, "labrun_version": labrun.__version__,
-                "config": {"model": model_cfg, "checkpoint": {"monitor": "val/acc"},
-                           "dataset": {"name": "imagenet-like", "image_size": size,
-                                       "mean": [0.485, 0.456, 0.406],
-                                       "std": [0.229, 0.224, 0.225],
-                                       "augment": {"val_resize_ratio": 0.875}}}},
-               checkpoint)
+    checkpoint = save_weights_only(
+        folder / "model.pt", model.state_dict(), class_names=class_names,
+        config={"model": model_cfg, "checkpoint": {"monitor": "val/acc"},
+                "dataset": {"name": "imagenet-like", "image_size": size,
+                            "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
+                            "augment": {"val_resize_ratio": 0.875}}})
     suffix = ".onnx" if fmt == "onnx" else ".torchscript.pt"
     return export.export(checkpoint, out=folder / f"model{suffix}", fmt=fmt,
                          check_data="random").path

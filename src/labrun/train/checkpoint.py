@@ -26,6 +26,7 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
+import labrun
 from labrun.core.errors import LabrunError
 from labrun.core.files import atomic_path
 from labrun.runs.lock import ensure_owner
@@ -91,6 +92,19 @@ def load(path: str | Path) -> CheckpointState:
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path}: not a labrun checkpoint (no 'model' entry)")
     return state  # type: ignore[return-value]  # a labrun checkpoint: the keys above
+
+
+def save_weights_only(path: str | Path, model: dict[str, torch.Tensor], *,
+                      class_names: list[str], config: dict[str, Any]) -> Path:
+    """A checkpoint of a model that labrun did not train (`labrun bench serve`'s untrained
+    models): what export reads (model, class_names, config), without the optimizer and data
+    position that a run would resume from, so it cannot be resumed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        torch.save({"model": model, "class_names": class_names, "config": config, "epoch": 0,
+                    "step": 0, "best": None, "labrun_version": labrun.__version__}, tmp)
+    return path
 
 
 class CheckpointManager:
