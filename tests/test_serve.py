@@ -190,23 +190,25 @@ def test_model_calls_below_1_is_refused_in_one_line(onnx_model, capsys):
     assert "--model-calls=0 must be 1 or more" in capsys.readouterr().err
 
 
-def test_the_server_decodes_jpegs_no_smaller_than_the_val_resize_needs(onnx_model):
-    """The digits run validates at 32 px after resizing the short side to 37 (32 / 0.875): a
-    70 px JPEG must not be DCT-decoded to 35 px and upscaled, and the result stays the val
-    loader's input (which decodes only the centre crop) within rounding."""
-    from labrun.data.decode import open_image
+def test_the_server_prepares_exactly_the_val_loaders_pixels(onnx_model):
+    """The digits run validates at 32 px after resizing the short side to 37 (32 / 0.875). The
+    server's input must be the val loader's, pixel for pixel: the same centre-crop rectangle,
+    decoded at the same DCT scale (never below the model's size, so a 90 px JPEG's crop may
+    be decoded at 1/2 but a 70 px one's may not)."""
+    from labrun.data import decode as data_decode
+    from labrun.data.transforms import center_crop_box
 
     predictor = inference.Predictor(onnx_model)
     rng = np.random.default_rng(0)
-    for (height, width), decoded in (((70, 90), (70, 90)), ((90, 76), (45, 38)),
-                                     ((40, 50), (40, 50))):
+    for (height, width), scale in (((70, 90), None), ((90, 76), (1, 2)), ((40, 50), None)):
         image = cv2.GaussianBlur(rng.integers(0, 256, (height, width, 3), dtype=np.uint8),
                                  (0, 0), 2)
         jpeg = cv2.imencode(".jpg", image)[1].tobytes()
-        assert predictor.decode(jpeg).shape[:2] == decoded
-        served = predictor.preprocess(predictor.decode(jpeg)).int()
-        loader = predictor.transform(open_image(jpeg, "turbojpeg")).int()
-        assert (served - loader).abs().float().mean() < 4  # the crops round differently
+        _, _, crop_h, crop_w = center_crop_box(height, width, 32, 0.875)
+        assert data_decode.dct_scale(crop_h, crop_w, 32) == scale
+        served = predictor.prepare(jpeg)
+        loader = predictor.transform(data_decode.open_image(jpeg, "turbojpeg"))
+        assert served.shape == (3, 32, 32) and torch.equal(served, loader)
 
 
 def test_predictions_match_an_independent_reference(server, reference, test_images, jpegs):

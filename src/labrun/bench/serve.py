@@ -136,7 +136,7 @@ def run(args) -> list[Verdict]:
             cores, batching.model_calls("cpu", cores)))
         # The ceiling's other way of using the cores: one call on all of them.
         whole = inference.Predictor(model, cores)
-        images = torch.stack([predictor.preprocess(predictor.decode(j)) for j in jpegs])
+        images = torch.stack([predictor.prepare(j) for j in jpegs])
         inputs = [predictor.normalize(images[i:i + 1]) for i in range(len(jpegs))]
         batches = {b: predictor.normalize(images[torch.arange(b) % len(jpegs)])
                    for b in CEILING_BATCHES}

@@ -80,7 +80,7 @@ def predict_files(predictor: inference.Predictor, paths: list[Path], k: int, bat
         images = []
         for path in chunk:
             try:
-                images.append(predictor.decode(path.read_bytes()))
+                images.append(predictor.prepare(path.read_bytes()))
             except (inference.ImageError, OSError) as error:
                 log.warning("skipped %s: %s", path, error)
                 images.append(None)

@@ -3,7 +3,7 @@
     predictor = Predictor(MODEL)      MODEL: model.onnx | model.torchscript.pt, each with its
                                       metadata JSON beside it (labrun.deploy.load also takes a
                                       run folder or a checkpoint, exporting it first)
-    image = predictor.decode(jpeg_bytes)
+    image = predictor.prepare(jpeg_bytes)   # uint8 3xSxS, exactly as the run's val loader
     predictor.predict([image, ...], k=5) -> [[{"class", "index", "prob"}, ...], ...]
 
 `labrun serve`, `labrun predict`, the parity check of `labrun export` and the serving benchmark
@@ -57,11 +57,11 @@ def metadata_path(model_path: str | Path) -> Path:
 # Decoding
 
 
-def decode_image(data: bytes, decoder: str = "turbojpeg", min_size: int | None = None
-                 ) -> np.ndarray:
-    """Encoded image bytes -> uint8 HxWx3 RGB, as the training data pipeline decodes them
-    (labrun.data.decode: TurboJPEG with its reduced-size decode down to `min_size`, Pillow for
-    other formats); ImageError for anything that is not a usable image.
+def open_image(data: bytes, decoder: str = "turbojpeg") -> np.ndarray | data_decode.JpegImage:
+    """Encoded image bytes -> what the validation transform takes, as the training data
+    pipeline opens them (labrun.data.decode.open_image: a JPEG that TurboJPEG decodes stays
+    undecoded until the transform has chosen its crop; other formats are decoded by Pillow);
+    ImageError for anything that is not a usable image.
 
     The size is read from the header first, so an oversized image is refused before any
     memory is taken for it.
@@ -81,8 +81,13 @@ def decode_image(data: bytes, decoder: str = "turbojpeg", min_size: int | None =
     if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
         raise ImageError(f"image is {width}x{height}, more elongated than "
                          f"{MAX_ASPECT_RATIO}:1")
+    return _decoding(data_decode.open_image, data, decoder)
+
+
+def _decoding(decode: Callable, *args: Any) -> Any:
+    """decode(*args), with whatever a decoder raises on bad data as one ImageError."""
     try:
-        return data_decode.decode(data, decoder, min_size)
+        return decode(*args)
     except Exception as error:  # noqa: BLE001 - whatever a decoder raises, the upload is bad
         raise ImageError(f"corrupt or truncated image ({one_line(error)})") from None
 
@@ -176,14 +181,11 @@ class Predictor:
         """Where the model runs: "cuda" or "cpu"."""
         return self.runtime.device
 
-    def decode(self, data: bytes) -> np.ndarray:
-        """Image bytes -> uint8 HxWx3, with the run's decoder, as its val loader decodes them
-        (a JPEG may be decoded smaller, down to the short side the validation resize keeps)."""
-        return decode_image(data, self.decoder, self.transform.min_size)
-
-    def preprocess(self, image: np.ndarray) -> torch.Tensor:
-        """uint8 HxWx3 -> uint8 3xSxS: the validation resize and centre crop."""
-        return self.transform(image)
+    def prepare(self, data: bytes) -> torch.Tensor:
+        """Image bytes -> uint8 3xSxS, the pixels the run's val loader makes of them: its
+        decoder, the validation resize and centre crop. A JPEG decodes only the crop's
+        rectangle, at the smallest DCT scale that keeps it at least the model's size."""
+        return _decoding(self.transform, open_image(data, self.decoder))
 
     def normalize(self, batch: torch.Tensor) -> np.ndarray:
         """uint8 NCHW -> the model's input, normalised as the trainer does on its device."""
@@ -192,10 +194,9 @@ class Predictor:
     def logits(self, batch: torch.Tensor) -> np.ndarray:
         return self.runtime(self.normalize(batch))
 
-    def predict(self, images: Sequence[np.ndarray], k: int = 5) -> list[list[dict[str, Any]]]:
-        """The k most likely classes of each image, most likely first."""
-        batch = torch.stack([self.preprocess(image) for image in images])
-        return self.top_k(self.logits(batch), k)
+    def predict(self, images: Sequence[torch.Tensor], k: int = 5) -> list[list[dict[str, Any]]]:
+        """The k most likely classes of each prepared image, most likely first."""
+        return self.top_k(self.logits(torch.stack(list(images))), k)
 
     def top_k(self, logits: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
         probs = torch.from_numpy(logits).double().softmax(dim=1)

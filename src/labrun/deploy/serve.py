@@ -272,7 +272,7 @@ def create_app(predictor: inference.Predictor, max_upload_bytes: int, *,
     # the GIL, so concurrent requests use every core; a bad image fails its own request there,
     # before the batcher sees it. The model call is the batcher's.
     def prepare(uploads: list[UploadFile], fields: list[str]) -> list[torch.Tensor]:
-        return [predictor.preprocess(read_upload(predictor, upload, field))
+        return [read_upload(predictor, upload, field)
                 for upload, field in zip(uploads, fields, strict=True)]
 
     @app.post("/predict")
@@ -312,13 +312,14 @@ async def infer(pending):
         raise HTTPException(500, f"inference failed: {one_line(error)}") from None
 
 
-def read_upload(predictor: inference.Predictor, upload: UploadFile, field: str):
+def read_upload(predictor: inference.Predictor, upload: UploadFile, field: str) -> torch.Tensor:
+    """The upload's image, prepared for the model (Predictor.prepare), or a 400 naming it."""
     name = upload.filename or ""
     if is_path_like(name):
         raise HTTPException(400, f"{field}: the filename must be a plain file name, not a "
                                  f"path: {name[:100]!r}")
     try:
-        return predictor.decode(upload.file.read())
+        return predictor.prepare(upload.file.read())
     except inference.ImageError as error:
         raise HTTPException(400, f"{field} ({name[:100]}): {error}") from None
 
