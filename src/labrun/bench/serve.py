@@ -31,17 +31,16 @@ Targets (SERVE_TARGETS, serve_targets()): no served request fails; ratio_to_ceil
 batching gains >= 3x where the model runs on CUDA (on a CPU one call already uses every core,
 so batching cannot gain much: the target is shown, not checked); p99 at one client under
 --max-delay-ms plus two lone batch-1 calls of the server's runtime (stretch: it includes the
-client's own time);
-ratio_to_bound >= 0.95 (stretch).
+client's own time); ratio_to_bound >= 0.95 (stretch).
 
 The model is an untrained torchvision resnet18 (1,000 classes, 224 px, no weight download),
 exported by `labrun export`'s own code from a checkpoint in labrun's format (ONNX; TorchScript
 where only torch can use the GPU, or with --format). Clients and servers share this machine's
 cores, as they do in any loopback measurement, so the clients are kept cheap: the standard
 library's http.client on kept-alive connections, each request's multipart body built once
-(httpx, which builds every request anew, took 2.6 ms of CPU a request here against http.client's
-0.4 ms: more than half of what the server itself spends on a request besides the model). Rounds alternate, each side
-keeping its best.
+(httpx, which builds every request anew, took 2.6 ms of CPU a request here against
+http.client's 0.4 ms: more than half of what the server itself spends on a request besides the
+model). Rounds alternate, each side keeping its best.
 """
 
 from __future__ import annotations
