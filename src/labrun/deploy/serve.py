@@ -58,8 +58,8 @@ MAX_CONCURRENCY = 128
 HEADER_TIMEOUT_S = 10.0
 # With --workers N, uvicorn's supervisor pings each worker and kills and restarts one that does
 # not answer within this many seconds (uvicorn's default: 5). A worker answers only once it is
-# running, and it starts by importing labrun.deploy.serve (torch, onnxruntime, FastAPI): 17 s measured
-# on a loaded 2-core machine, where the 5 s default restarted every worker forever.
+# running, and it starts by importing labrun.deploy.serve (torch, onnxruntime, FastAPI): 17 s
+# measured on a loaded 2-core machine, where the 5 s default restarted every worker forever.
 WORKER_HEALTHCHECK_TIMEOUT_S = 60
 TopK = Annotated[int, Query(ge=1, le=1000, description="how many classes to return")]
 ENV_MODEL, ENV_MAX_BYTES, ENV_CORES = ("LABRUN_SERVE_MODEL", "LABRUN_SERVE_MAX_UPLOAD_BYTES",
