@@ -1,8 +1,8 @@
 """Dynamic batching in `labrun serve` (labrun.deploy.batching).
 
 The HTTP tests run a real `labrun serve` process on 127.0.0.1 with the digits run's exported
-model, started with --max-batch 8 --max-delay-ms 200: long enough a wait that concurrent requests
-share model calls even on a loaded machine. Each answer's X-Batch-Size header says how many
+model, started with --max-batch 8 --max-delay-ms 200 --model-calls 1: long enough a wait that
+concurrent requests share model calls even on a loaded machine. Each answer's X-Batch-Size header says how many
 images its model call took. Every image sent is a different validation digit, and each answer is
 compared with that image's answer when sent alone, so an answer that went to the wrong caller
 shows.
@@ -37,8 +37,11 @@ HEADER = "x-batch-size"
 def server(onnx_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("batching-server") / "server.log"
     try:
+        # One model call at a time, as on a GPU: on a CPU the server's several calls would
+        # share the waiting requests out among them instead of gathering them.
         with serving(onnx_model, log, cwd=PROJECT,
-                     args=("--max-batch", str(MAX_BATCH), "--max-delay-ms", "200")) as served:
+                     args=("--max-batch", str(MAX_BATCH), "--max-delay-ms", "200",
+                           "--model-calls", "1")) as served:
             yield served.url
     finally:
         print(log.read_text()[-3000:])
@@ -319,6 +322,35 @@ def test_model_calls_run_that_many_batches_at_once():
         return answers
 
     assert asyncio.run(main()) == [(("out", x), 1) for x in "abc"]
+
+
+def test_several_model_calls_share_out_the_waiting_items():
+    """Two calls busy, four items waiting: the first call to free up takes its share (2), not
+    the whole queue, and the others follow one by one as the waiting shrinks."""
+    hold = threading.Event()
+    model = FakeModel(hold)
+
+    async def main():
+        batcher = Batcher(model, max_batch=8, max_delay_ms=0, model_calls=2)
+        busy = []
+        for x in "ab":  # one at a time: each call running, and held, before the next item
+            busy.append(asyncio.ensure_future(batcher.submit(x)))
+            await asyncio.wait_for(until(lambda: len(model.batches) == len(busy)), 10)
+        waiting = [asyncio.ensure_future(batcher.submit(x)) for x in "cdef"]
+        await asyncio.sleep(0.05)  # all four queued behind the two calls
+        hold.set()
+        answers = await asyncio.gather(*busy, *waiting)
+        await batcher.close()
+        return answers
+
+    answers = asyncio.run(main())
+    assert model.batches == [["a"], ["b"], ["c", "d"], ["e"], ["f"]]
+    assert [size for _, size in answers] == [1, 1, 2, 2, 1, 1]
+
+
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
 
 
 def test_model_calls_share_out_the_cores():
