@@ -116,6 +116,7 @@ def configure(parser) -> None:
 
 def run(args) -> list[Verdict]:
     # FastAPI and uvicorn: imported only for this benchmark, not for `labrun bench`.
+    from labrun.deploy.serve import load_model
     from labrun.deploy.served import serving
 
     if min(args.requests, args.clients, args.rounds, args.max_batch) < 1:
@@ -128,11 +129,11 @@ def run(args) -> list[Verdict]:
         free_model = export_model(folder / "free", args.image_size, fmt, FREE_MODEL)
         jpegs = make_jpegs(args.image_size)
         bodies = [multipart_body(f"{i}.jpg", jpeg) for i, jpeg in enumerate(jpegs)]
-        # The direct side: the server's runtime (by default one intra-op thread a call on a
-        # CPU), its inputs already decoded, resized and normalised.
+        # The direct side: the server's runtime, loaded as `labrun serve` loads it (by default
+        # one intra-op thread a call on a CPU), its inputs already decoded, resized and
+        # normalised.
         cores = inference.default_threads(1)
-        predictor = inference.Predictor(model, batching.threads_per_call(
-            cores, batching.model_calls("cpu", cores)))
+        predictor, _, _ = load_model(model, cores, None)
         # The ceiling's other way of using the cores: one call on all of them.
         whole = inference.Predictor(model, cores)
         images = torch.stack([predictor.prepare(j) for j in jpegs])
