@@ -48,7 +48,11 @@ class TrainerConfig:
     log_every_n_steps: int = key(10, resume_safe=True, affects_result=False)
     limit_train_batches: int | None = None  # optimizer steps per epoch, for smoke runs
     limit_val_batches: int | None = key(None, resume_safe=True)
-    nan_policy: str = "stop"  # stop | skip: what a non-finite loss does
+    nan_policy: str = "stop"  # stop | skip: what a non-finite loss does (stop: at the next log point or checkpoint, naming the first bad step; skip: reads the loss every step)
+    # Under DDP the ranks agree on a stop signal (USR2, SIGTERM, Ctrl-C) every this many steps:
+    # at a few seconds a step, 10 steps stay well inside SLURM's warning (cluster.signal_delay_s)
+    # and a QOS's preemption grace time. A process alone checks every step.
+    stop_check_every_n_steps: int = key(10, resume_safe=True, affects_result=False)
     progress: str = key("auto", resume_safe=True, affects_result=False)  # auto (rich bar on a TTY, log lines otherwise) | bar | log | none
 
 

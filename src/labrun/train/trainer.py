@@ -39,6 +39,7 @@ from labrun.train import callbacks as callback_registry
 from labrun.train import checkpoint as ckpt
 from labrun.train.checkpoint import CheckpointManager, CheckpointState
 from labrun.train.distributed import Distributed, all_reduce_sum
+from labrun.train.nonfinite import NonFiniteWatch
 from labrun.train.precision import Precision
 from labrun.train.progress import ProgressReporter, StepWindow
 from labrun.train.stop_signals import StopSignals
@@ -104,6 +105,7 @@ class Trainer:
         self.step = 0  # optimizer steps so far
         self.best: float | None = None
         self.signals = StopSignals()
+        self.nonfinite = NonFiniteWatch(self.device)  # read at log points and checkpoint writes
         self.stop_reason: str | None = None  # a callback ended training early (request_stop)
         self.stop_status = "completed"  # ... and how the run then ends: completed or pruned
         self._eval_loaders: dict[str, Any] = {}
@@ -193,6 +195,7 @@ class Trainer:
             self.step += 1
             self.position += self.per_rank_batch
             if self.step % self.cfg.trainer.log_every_n_steps == 0 or done == self.steps_per_epoch:
+                self.check_finite()
                 metrics = window.metrics(self.optimizer.param_groups[0]["lr"])
                 if self.gpus is not None:  # a float the NVML thread keeps: no wait here
                     util = self.gpus.take_utilization()
@@ -206,7 +209,7 @@ class Trainer:
             self._call("on_step_end")
             if every_n and self.step % every_n == 0 and done < self.steps_per_epoch:
                 self.save_checkpoint()
-            if self.signals.agreed(self.dist.enabled, self.device):
+            if self._signals_due() and self.signals.agreed(self.dist.enabled, self.device):
                 self.save_checkpoint()
                 self._stop_if_signalled()
 
@@ -230,10 +233,17 @@ class Trainer:
             step_loss += loss.detach()
         if self.dist.enabled:  # every rank must take the same decision below
             step_loss = all_reduce_sum(step_loss) / self.dist.world_size
-        if not self.scaler.is_enabled() and not torch.isfinite(step_loss).item():
-            self.optimizer.zero_grad(set_to_none=True)
-            self._non_finite_loss(step_loss.item())
-            return
+        # fp16's GradScaler skips non-finite steps itself. Otherwise nan_policy=stop notes the
+        # loss on the device and check_finite() stops the run at its next read; skip has to
+        # know now whether to take this step, so it waits for the loss every step.
+        if not self.scaler.is_enabled():
+            if self.cfg.trainer.nan_policy == "skip" and not torch.isfinite(step_loss).item():
+                self.optimizer.zero_grad(set_to_none=True)
+                self.stats.nonfinite_steps += 1
+                self.progress.message(f"loss is {step_loss.item()} at step {self.step + 1}: "
+                                      f"step skipped")
+                return
+            self.nonfinite.note(step_loss, self.step + 1)
         if self.cfg.trainer.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
@@ -349,16 +359,26 @@ class Trainer:
         self.train_loader.sampler.set_epoch(self.epoch, start=self.position)
         return iter(self.train_loader)
 
-    def _non_finite_loss(self, value: float) -> None:
-        self.stats.nonfinite_steps += 1
-        if self.cfg.trainer.nan_policy == "skip":
-            self.progress.message(f"loss is {value} at step {self.step + 1}: step skipped")
+    def check_finite(self) -> None:
+        """Raise NonFiniteLoss if a step's loss was not finite since the run started (one
+        wait for the device; every rank reads the same all-reduced losses at the same step)."""
+        first = self.nonfinite.read()
+        if first is None:
             return
+        self.stats.nonfinite_steps = first.count
         last = self.checkpoints.latest_path()
         kept = f"; the last good checkpoint is {last}" if last else ""
-        raise NonFiniteLoss(f"loss became {value} at step {self.step + 1} (epoch "
-                            f"{self.epoch + 1}){kept}; lower optimizer.lr, use precision=fp32 "
+        epoch = (first.step - 1) // self.steps_per_epoch + 1
+        raise NonFiniteLoss(f"loss became {first.loss} at step {first.step} (epoch "
+                            f"{epoch}){kept}; lower optimizer.lr, use precision=fp32 "
                             f"or trainer.grad_clip, or trainer.nan_policy=skip")
+
+    def _signals_due(self) -> bool:
+        """Whether the ranks agree on stop signals after this step. Alone, a process reads its
+        own flag for free, every step; under DDP agreeing is an all-reduce and a wait for the
+        device, so the ranks do it every trainer.stop_check_every_n_steps steps, all at the
+        same steps."""
+        return not self.dist.enabled or self.step % self.cfg.trainer.stop_check_every_n_steps == 0
 
     def _stop_if_signalled(self) -> None:
         """Called once the ranks have agreed on a stop signal (StopSignals.agreed)."""
@@ -373,6 +393,7 @@ class Trainer:
     # -- checkpoint state ----------------------------------------------------------------------
 
     def save_checkpoint(self, is_best: bool = False) -> None:
+        self.check_finite()  # on every rank: a checkpoint of non-finite weights is never written
         if self.dist.is_main:
             self.checkpoints.save(self.state_dict(), self.step, is_best=is_best)
 

@@ -1,0 +1,107 @@
+"""The training loop does not wait for the device between log points.
+
+On a GPU, `.item()`, `.tolist()`, `bool()`, `float()` and `int()` of a tensor make the host wait
+until every queued kernel has run, so one per step keeps the GPU's queue empty. There is no GPU
+here, so a callback counts those calls instead: it wraps the five methods of torch.Tensor and
+counts the calls made from labrun's own code (torch's optimizers read their CPU step counters
+with `.item()`, which costs no wait, and are not counted; nor is labrun's data pipeline, which
+works on host tensors before a batch moves to the device). Each optimizer step that is not a
+log point (nor a checkpoint, nor an epoch's end) must make none, in fp32 and bf16, in one process
+and in two (DDP over gloo: the ranks agree on stop signals every few steps, at log points here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import run_train
+
+COUNTER = '''
+import json, sys
+from pathlib import Path
+
+import torch
+
+import labrun
+from labrun.train.callbacks import Callback
+
+LABRUN = str(Path(labrun.__file__).parent)
+# The data pipeline works on host tensors (the epoch's sample order, the uint8 batches) before
+# a batch moves to the device: no call there waits for a GPU, whatever the run's device.
+HOST_DATA = str(Path(labrun.__file__).parent / "data")
+METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+
+class CountHostSyncs(Callback):
+    """Counts per step: from the start of one Trainer.train_step to the start of the next, so
+    that a step's count holds all its work (its log point, checkpoint and stop check too)."""
+
+    def __init__(self, out):
+        self.out, self.step, self.calls, self.sites, self.per_step = out, 0, 0, {}, {}
+
+    def on_fit_start(self, trainer):
+        for name in METHODS:
+            setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
+        train_step = trainer.train_step
+
+        def counted_step(*args):
+            self._close_step()
+            self.step += 1
+            return train_step(*args)
+        trainer.train_step = counted_step
+
+    def _close_step(self):
+        if self.step:
+            self.per_step[self.step] = self.calls
+        self.calls = 0
+
+    def _counting(self, method):
+        def counted(tensor, *args, **kwargs):
+            caller = sys._getframe(1)
+            where = caller.f_code.co_filename
+            if where.startswith(LABRUN) and not where.startswith(HOST_DATA):
+                self.calls += 1
+                self.sites.setdefault(self.step, []).append(f"{where}:{caller.f_lineno}")
+            return method(tensor, *args, **kwargs)
+        return counted
+
+    def on_fit_end(self, trainer, status):
+        self._close_step()
+        Path(f"{self.out}.rank{trainer.dist.rank}").write_text(json.dumps(
+            {"per_step": self.per_step, "sites": self.sites, "status": status,
+             "log_every": trainer.cfg.trainer.log_every_n_steps,
+             "steps_per_epoch": trainer.steps_per_epoch}))
+'''
+
+# 12 steps, a log point every 5: steps 1-4, 6-9 and 11 are between log points.
+STEPS = ["trainer.max_epochs=1", "trainer.limit_train_batches=12", "trainer.log_every_n_steps=5",
+         "trainer.limit_val_batches=1", "optimizer=sgd", "model.dropout=0"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_no_host_sync_between_log_points(tmp_path, precision, devices):
+    (tmp_path / "synccount.py").write_text(COUNTER)
+    out = tmp_path / "syncs.json"
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run_train(*STEPS, f"precision={precision}", f"trainer.devices={devices}",
+              "+callbacks.syncs._target_=synccount.CountHostSyncs", f"+callbacks.syncs.out={out}",
+              run_dir=tmp_path / "run", env=env)
+    for rank in range(devices):
+        found = json.loads((tmp_path / f"syncs.json.rank{rank}").read_text())
+        assert found["status"] == "completed"
+        per_step = {int(step): calls for step, calls in found["per_step"].items()}
+        assert sorted(per_step) == list(range(1, 13))
+        between = {step: calls for step, calls in per_step.items()
+                   if step % found["log_every"] and step % found["steps_per_epoch"]}
+        assert sorted(between) == [1, 2, 3, 4, 6, 7, 8, 9, 11]
+        syncing = {step: found["sites"].get(str(step)) for step, calls in between.items()
+                   if calls}
+        print(f"rank {rank}: host syncs per step {per_step}")
+        assert not syncing, f"rank {rank}: host syncs between log points: {syncing}"
+        # The counter does see the syncs a log point makes (the logged train/loss), so a zero
+        # above is the loop's, not a counter that counts nothing.
+        assert per_step[5] >= 1
