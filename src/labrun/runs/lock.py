@@ -16,7 +16,7 @@ The lock file is JSON: host, PID, the PID's start time in clock ticks since boot
 reused PID is not taken for the holder), SLURM job id and restart count, the launch, the
 wall-clock start, and the token. A second process is refused in one line naming the holder.
 A lock is taken over, with one line saying why, when it is stale:
-  - same host: the PID is gone (or is another process now);
+  - same host: the PID is gone, a zombie (exited, not yet reaped), or another process now;
   - the holder's SLURM job no longer runs (asked with squeue through labrun.core.probes; where
     SLURM cannot be asked, this is unknown and the heartbeat decides);
   - another host and no SLURM answer: the heartbeat (the lock file's mtime, touched every
@@ -25,14 +25,51 @@ A lock is taken over, with one line saying why, when it is stale:
     SLURM_RESTART_COUNT takes the lock from the older attempt, which may still be running on a
     failed node; that attempt stops at its next write check.
 
+A flaky or slow file system (NFS under load) does not end a healthy run: a read of the lock
+that fails (an OSError other than "no such file", or bytes that are no complete lock) is tried
+again with back-off, by the heartbeat and by the write check alike. Another token in the lock,
+or no lock file at all, is LockLost at once; a lock that could not be read for STALE_AFTER_S / 2
+since it was last read as this process's is LockLost too (the heartbeat stops beating then), so a
+holder whose beats fail stops writing well before another host may rightly judge it stale. A
+claimant never replaces a lock it cannot read: it tries again, then refuses. (A file that reads
+whole but is no lock of labrun's is replaced, through the gate below.)
+
+Taking over, so that no loser can disturb the winner: the lock file is never absent while it is
+taken over, and only one process may change a given lock. A claimant that judged the lock with
+bytes B stale takes the gate RUN/.lock.take.<digest of B>.0, created exclusively (like the lock
+itself: a unique file, then link(2)) with its own lock as content. Whoever holds that gate is the
+only process that may replace or remove that lock: it reads .lock again, and if it still is B
+renames the gate over .lock (rename(2) replaces atomically: readers see B, then the new lock,
+never nothing); if it is not B any more (another claimant won meanwhile) it removes its gate and
+judges again from fresh data. The holder itself removes its lock at release through the same
+gate (created as a hard link to the lock, whose content is the holder's own), so B can only
+change through the gate's holder. The gate of a lock that no longer exists
+can be taken by a late claimant, which then only finds .lock changed. A claimant that crashed
+holding a gate leaves it behind: when the gate's own process is judged gone by the rules above
+(PID, SLURM job, the gate's mtime; not the requeue rule, which would pass a live releaser), the
+next claimant takes the next level (.lock.take.<digest>.1, ...), and the winner removes the
+levels below its own. Limit: a holder of a gate judged gone wrongly (a process on another host
+frozen for STALE_AFTER_S between two system calls) could still rename its gate over a newer lock.
+
+Why not flufl.lock, which implements the same link(2) and link-count creation: its lock file's
+content is the claim file's name, where labrun's .lock is JSON that status, monitor targets and
+rerun read (read_holder); it keeps that claim file linked beside the lock for the lock's life and
+tests ownership by a link count of 2; its lifetime is an mtime set into the future, where
+labrun's heartbeat is the mtime of the last beat; lock() breaks a lock only when that lifetime
+has passed (its `state` reports a dead PID on the same host, but nothing acts on it: no PID start
+time, no zombie, no SLURM job, no requeue); and breaking a lock unlinks it after a read, which
+its own comment says "reduces but does not eliminate" the race in which a breaker with old data
+removes a fresh winner's lock -- the race this module must exclude. Its creation step is seven
+lines (_create below); the take-over, the staleness policy and the flaky-read handling labrun
+needs are none of it, so it is not a dependency.
+
 What it relies on, on NFS (lab output roots are NFS): fcntl/flock are not used, since their
 NFS behaviour depends on the lock daemon and mount options. It relies on
-  - link(2) being atomic on the server: the lock is created by writing a file with a unique
-    name, then hard-linking it to .lock (fails with EEXIST when it exists). A lost reply to a
-    retried link is detected as open(2)'s man page describes: the unique file's link count is
-    2. The content is complete before the name exists, so no reader sees half a lock;
-  - rename(2) being atomic: a stale lock is moved aside to a unique name, and the mover
-    checks it moved the lock it judged stale (else it puts it back);
+  - link(2) being atomic on the server: the lock (and a gate) is created by writing a file with
+    a unique name, then hard-linking it to .lock (fails with EEXIST when it exists). A lost
+    reply to a retried link is detected as open(2)'s man page describes: the unique file's link
+    count is 2. The content is complete before the name exists, so no reader sees half a lock;
+  - rename(2) being atomic, replacing the target: a take-over renames the gate over .lock;
   - close-to-open consistency: every check opens and reads the file (a stat alone could be
     answered from the client's attribute cache, seconds old);
   - clocks of the nodes agreeing to well within STALE_AFTER_S (NTP), for the heartbeat.
@@ -47,9 +84,11 @@ separate PID namespaces would see each other's PIDs as gone.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import logging
 import os
+import random
 import secrets
 import socket
 import threading
@@ -73,6 +112,12 @@ FOLLOW_TIMEOUT_S = 300
 # SLURM states in which a job's processes may still be running.
 SLURM_ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING",
                 "RESIZING", "STAGE_OUT"}
+# Rounds of acquire's loop: each looks at the lock once and either takes it, refuses, or waits
+# out another claimant's take-over or an unreadable lock; with the back-off below, about 10 s.
+TAKE_TRIES = 20
+# Levels of a take-over's gate: each further level is taken only when the claimant that holds
+# the level below crashed in its microseconds there, so more than one is already rare.
+GATE_LEVELS = 4
 
 
 class RunLocked(LabrunError):
@@ -105,13 +150,21 @@ class Holder:
         return time.strftime("%H:%M" if same_day else "%Y-%m-%d %H:%M", at)
 
 
-def _pid_start(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """The process's state letter and start time in clock ticks since boot (fields 3 and 22 of
+    /proc/PID/stat); None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and ")"
+        return after_name[0], int(after_name[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _pid_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    stat = _proc_stat(pid)
+    return stat[1] if stat else None
 
 
 def launch_id() -> str | None:
@@ -133,20 +186,52 @@ def me() -> Holder:
                   started_at=time.time(), token=secrets.token_hex(8))
 
 
-def read_holder(path: str | Path) -> Holder | None:
-    """Who holds the lock file `path` now (None: nobody, or a file that is no lock)."""
+@dataclass(frozen=True)
+class _Seen:
+    """What one read of a lock file found: a holder, bytes that are no lock (`junk`), an error
+    that may pass (`error`: the file server's hiccup), or none of these (no such file)."""
+    holder: Holder | None = None
+    junk: bytes | None = None
+    error: OSError | None = None
+    key: str | None = None  # a digest of the bytes read: which lock this is, for the gate
+
+    @property
+    def gone(self) -> bool:
+        return self.holder is None and self.junk is None and self.error is None
+
+
+def _look(path: str | Path) -> _Seen:
     try:
-        with open(path) as f:  # open + read: fresh data on NFS (close-to-open)
-            data = json.load(f)
+        with open(path, "rb") as f:  # open + read: fresh data on NFS (close-to-open)
+            raw = f.read()
+    except FileNotFoundError:
+        return _Seen()
+    except OSError as error:  # EIO, ESTALE, a timed-out soft mount...: may pass
+        return _Seen(error=error)
+    key = hashlib.sha256(raw).hexdigest()[:16]
+    try:
+        data = json.loads(raw)
         # Keys a later labrun adds are ignored; a file without these keys is no lock.
-        return Holder(**{f.name: data[f.name] for f in fields(Holder)})
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
+        return _Seen(holder=Holder(**{f.name: data[f.name] for f in fields(Holder)}), key=key)
+    except (ValueError, TypeError, KeyError):
+        return _Seen(junk=raw, key=key)
+
+
+def read_holder(path: str | Path) -> Holder | None:
+    """Who holds the lock file `path` now (None: nobody, a file that is no lock, or one that
+    cannot be read now)."""
+    return _look(path).holder
 
 
 def busy_message(path: str | Path, holder: Holder) -> str:
     return (f"{Path(path).parent} is being trained by {holder.who()} since {holder.since()}; wait for it, "
             f"or stop it first")
+
+
+def _backoff(attempt: int, cap: float) -> float:
+    """The wait before retry `attempt` (0, 1, ...): doubling from 1 ms up to `cap`, with jitter
+    so that claimants that collided do not collide again in step."""
+    return min(cap, 0.001 * 2 ** attempt) * random.uniform(0.5, 1.5)
 
 
 # -- judging a holder --------------------------------------------------------------------------
@@ -168,11 +253,18 @@ def stale_reason(holder: Holder, path: str | Path, mine: Holder) -> str | None:
     if holder.job_id and holder.job_id == mine.job_id and mine.restart > holder.restart:
         return (f"SLURM job {holder.job_id} was requeued (restart {mine.restart} > "
                 f"{holder.restart})")
-    if holder.host == mine.host:
-        if not os.path.exists(f"/proc/{holder.pid}") or (
-                holder.pid_start is not None and _pid_start(holder.pid) not in
-                (None, holder.pid_start)):
+    return _gone_reason(holder, path, mine.host)
+
+
+def _gone_reason(holder: Holder, path: str | Path, host: str) -> str | None:
+    """Why the process `holder` no longer runs, as seen from `host`, with `path`'s mtime as its
+    heartbeat; None: it may still run."""
+    if holder.host == host:
+        stat = _proc_stat(holder.pid)
+        if stat is None or (holder.pid_start is not None and stat[1] != holder.pid_start):
             return f"PID {holder.pid} is gone"
+        if stat[0] in ("Z", "X"):  # exited; its parent has not reaped it yet
+            return f"PID {holder.pid} is gone (exited, not yet reaped)"
         return None
     if holder.job_id:
         active = slurm_job_active(holder.job_id)
@@ -190,6 +282,9 @@ def stale_reason(holder: Holder, path: str | Path, mine: Holder) -> str | None:
 # -- taking, checking, giving back ---------------------------------------------------------------
 
 _held: dict[str, RunLock] = {}
+# Lock file -> time.monotonic() when this process last read its own token there: how long a
+# lock that cannot be read has been so (an inherited lock's children keep their own).
+_confirmed: dict[str, float] = {}
 
 
 def _key(path: str | Path) -> str:
@@ -211,7 +306,7 @@ def _create(path: Path, holder: Holder) -> bool:
     fd = os.open(unique, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, (json.dumps(asdict(holder)) + "\n").encode())
-        os.fsync(fd)
+        os.fsync(fd)  # after a crash, no name holds an empty file (a gate could not be judged)
     finally:
         os.close(fd)
     try:
@@ -223,24 +318,66 @@ def _create(path: Path, holder: Holder) -> bool:
         unique.unlink(missing_ok=True)
 
 
-def _move_aside(path: Path, judged: Holder, mine: Holder) -> None:
-    """Remove the lock `judged` stale, and only that one: rename is atomic, and a lock that
-    another process created meanwhile is put back."""
-    aside = path.with_name(f"{path.name}.stale.{mine.token}")
+def _through_gate(path: Path, key: str, mine: Holder, replace: bool) -> bool | Holder:
+    """Replace lock file `path` by `mine` (replace=False: remove it) if it still is the lock
+    read with digest `key`, through that lock's gate (the module docstring). True: done; False:
+    the lock is another one now (judge it again); a Holder: that process is taking it over."""
+    for level in range(GATE_LEVELS):
+        gate = path.with_name(f"{path.name}.take.{key}.{level}")
+        there = _look(gate)  # a look first: creating writes and syncs a file
+        if there.gone:
+            if _open_gate(gate, path, mine, replace):
+                break
+            there = _look(gate)
+        if there.holder is None:
+            return False  # renamed over the lock or given up just now: the lock changed
+        if there.holder.token == mine.token:
+            break  # this process's own: a retried link whose first reply was lost
+        # Whether the gate's process still runs, not the requeue rule: a live holder that is
+        # releasing its lock, or a live claimant, is never passed.
+        if _gone_reason(there.holder, gate, mine.host) is None:
+            return there.holder
+        # Its holder crashed while it held the gate: the next level decides who goes on.
+    else:
+        return False
+    done = False
     try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return
+        # Read again now that no one else can change this lock: the judgement was made from
+        # data read before, and a winner may have replaced the lock since.
+        if _look(path).key != key:
+            return False
+        if replace:
+            try:
+                os.rename(gate, path)  # atomic: readers see the old lock, then this one
+            except FileNotFoundError:  # NFS: a retried rename whose first reply was lost
+                if getattr(read_holder(path), "token", None) != mine.token:
+                    raise
+        else:
+            os.unlink(path)
+        done = True
+    finally:
+        if not (done and replace):
+            gate.unlink(missing_ok=True)
+    for below in range(level):  # left by crashed claimants; the lock they guard is gone
+        path.with_name(f"{path.name}.take.{key}.{below}").unlink(missing_ok=True)
+    return True
+
+
+def _open_gate(gate: Path, path: Path, mine: Holder, replace: bool) -> bool:
+    """Create `gate` exclusively: for a take-over with `mine` as content (it becomes the lock);
+    for a release as a hard link to the lock itself, whose content is the releaser's already
+    (nothing to write; if the lock changed just before, the check after finds it changed)."""
+    if replace:
+        return _create(gate, mine)
     try:
-        moved = json.loads(aside.read_text()).get("token")
-    except (OSError, ValueError):
-        moved = None
-    if moved is not None and moved != judged.token:
-        try:
-            os.link(aside, path)
-        except FileExistsError:
-            pass
-    aside.unlink(missing_ok=True)
+        os.link(path, gate)
+    except (FileExistsError, FileNotFoundError):  # taken by a claimant; or no lock to remove
+        return False
+    try:
+        os.utime(gate)  # a fresh mtime: another host judges a gate's holder by it
+    except OSError:
+        pass  # a hiccup: the lock's last heartbeat, which it keeps, is recent enough
+    return True
 
 
 class RunLock:
@@ -248,31 +385,100 @@ class RunLock:
 
     def __init__(self, path: Path, holder: Holder):
         self.path, self.holder = path, holder
+        self.lost: str | None = None  # why the heartbeat gave the lock up ("to PID ...")
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="labrun-run-lock",
                                       daemon=True)
 
-    def owned(self) -> bool:
-        found = read_holder(self.path)
-        return found is not None and found.token == self.holder.token
-
     def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            if not self.owned():
-                return  # taken over: the next write check stops the run
-            try:
-                os.utime(self.path)
-            except OSError:
-                pass  # a server hiccup: the next beat tries again
+        wait, failures = HEARTBEAT_S, 0
+        while not self._stop.wait(wait):
+            state, why = _ownership(self.path, self.holder.token)
+            if state == "mine":
+                wait, failures = HEARTBEAT_S, 0
+                try:
+                    os.utime(self.path)
+                except OSError:
+                    pass  # a server hiccup: the next beat tries again
+                continue
+            if state == "unreadable":
+                if failures == 0:
+                    log.warning("%s: cannot read the lock file (%s); trying again", self.path,
+                                why)
+                # Sooner than a beat at first: a hiccup usually passes within a second.
+                wait, failures = _backoff(failures + 7, HEARTBEAT_S), failures + 1
+                continue
+            self.lost = why  # taken over, removed, or unreadable too long: the next write
+            return           # check stops the run
 
     def release(self) -> None:
         """Give the folder back (only if the lock is still this process's)."""
         self._stop.set()
         _held.pop(_key(self.path), None)
+        _confirmed.pop(_key(self.path), None)
         if os.environ.get(TOKEN_ENV, "").startswith(self.holder.token + " "):
             os.environ.pop(TOKEN_ENV, None)
-        if self.owned():
-            _move_aside(self.path, self.holder, self.holder)
+        seen = _look(self.path)
+        if seen.holder is not None and seen.holder.token == self.holder.token:
+            # Through the gate: a claimant that judged this lock stale may be replacing it.
+            _through_gate(self.path, seen.key, self.holder, replace=False)
+
+
+def _ownership(path: str | Path, token: str) -> tuple[str, str]:
+    """One read of lock file `path` by the process with `token`: ("mine", ""), ("lost", how)
+    or ("unreadable", what went wrong) while that may still pass."""
+    key = _key(path)
+    seen = _look(path)
+    now = time.monotonic()
+    if seen.holder is not None and seen.holder.token == token:
+        _confirmed[key] = now
+        return "mine", ""
+    if seen.holder is not None:
+        return "lost", f"to {seen.holder.who()}"
+    if seen.gone:
+        return "lost", "(its lock file is gone)"
+    # An error, or bytes that are no whole lock (a short read): the file server's hiccup, as
+    # long as it passes before another host may judge the lock stale by its heartbeat.
+    unreadable_s = now - _confirmed.setdefault(key, now)
+    if unreadable_s > STALE_AFTER_S / 2:
+        return "lost", (f"(its lock file could not be read for {unreadable_s:.0f} s, and another "
+                        f"host may take it over after {STALE_AFTER_S:.0f} s)")
+    return "unreadable", str(seen.error) if seen.error else "not a whole lock file"
+
+
+def _take(path: Path, mine: Holder) -> None:
+    """Make `mine` the holder of lock file `path`, taking a stale lock over; raise RunLocked
+    when a live process holds it (or it cannot be read, or others keep taking it)."""
+    problem = (f"{path.parent}: could not take the lock ({path}) in {TAKE_TRIES} tries; other "
+               f"processes keep taking it: stop them")
+    for attempt in range(TAKE_TRIES):
+        if attempt:
+            time.sleep(_backoff(attempt, 1.0))
+        seen = _look(path)
+        if seen.gone:
+            if _create(path, mine):
+                return
+            continue  # another process created it first: judge that one
+        if seen.error is not None:
+            # Who holds it cannot be told: never replace a lock that may be a live holder's.
+            problem = (f"{path.parent}: its lock file {path} cannot be read ({seen.error}); try "
+                       f"again when the file system answers")
+            continue
+        if seen.holder is not None:
+            why = stale_reason(seen.holder, path, mine)
+            if why is None:
+                raise RunLocked(busy_message(path, seen.holder))
+            news = f"{path.parent}: taking over from {seen.holder.who()}: {why}"
+        else:
+            news = f"{path}: replacing an unreadable lock file"  # no lock of labrun's
+        outcome = _through_gate(path, seen.key, mine, replace=True)
+        if outcome is True:
+            log.warning("%s", news)  # only the one that took it over says so
+            return
+        if isinstance(outcome, Holder):  # another claimant is replacing it: look again
+            problem = (f"{path.parent} is being taken over by {outcome.who()}; wait for it, or "
+                       f"stop it first")
+    raise RunLocked(problem)
 
 
 def acquire(path: str | Path) -> RunLock | None:
@@ -289,27 +495,14 @@ def acquire(path: str | Path) -> RunLock | None:
         # Refused without creating anything in the folder (not even the unique file).
         raise RunLocked(busy_message(path, found))
     path.parent.mkdir(parents=True, exist_ok=True)
-    for _ in range(20):  # each round either takes the lock or removes one stale lock
-        if _create(path, mine):
-            lock = RunLock(path, mine)
-            _held[_key(path)] = lock
-            os.environ[TOKEN_ENV] = f"{mine.token} {path}"
-            lock._beat.start()
-            atexit.register(lock.release)
-            return lock
-        holder = read_holder(path)
-        if holder is None:
-            if path.exists():  # no lock of labrun's (empty, or not JSON): replaced
-                log.warning("%s: replacing an unreadable lock file", path)
-                _move_aside(path, Holder("", 0, None, None, 0, None, 0.0, ""), mine)
-            continue
-        why = stale_reason(holder, path, mine)
-        if why is None:
-            raise RunLocked(busy_message(path, holder))
-        log.warning("%s: taking over from %s: %s", path.parent, holder.who(), why)
-        _move_aside(path, holder, mine)
-    raise RunLocked(f"{path.parent}: could not take the lock ({path}) in 20 tries; other "
-                    f"processes keep taking it: stop them")
+    _take(path, mine)
+    lock = RunLock(path, mine)
+    _held[_key(path)] = lock
+    _confirmed[_key(path)] = time.monotonic()
+    os.environ[TOKEN_ENV] = f"{mine.token} {path}"
+    lock._beat.start()
+    atexit.register(lock.release)
+    return lock
 
 
 def follow(path: str | Path, timeout: float = FOLLOW_TIMEOUT_S) -> None:
@@ -354,17 +547,30 @@ def claim(path: str | Path, rank: int | None = None) -> RunLock | None:
 
 def ensure_owner(path: str | Path) -> None:
     """Before a write into the run folder of lock file `path`: raise LockLost if this process
-    held the lock and another process took it over. A process that holds no lock there (a tool
-    writing to a finished run, a test) is not checked."""
+    held the lock and another process took it over (or it was removed, or could not be read
+    for STALE_AFTER_S / 2). A lock that cannot be read now is read again with back-off: the
+    write waits for the file system. A process that holds no lock there (a tool writing to a
+    finished run, a test) is not checked."""
     token = _token_for(path)
     if token is None:
         return
-    holder = read_holder(path)
-    if holder is not None and holder.token == token:
-        return
     lock = _held.get(_key(path))
+    how = lock.lost if lock is not None else None
+    attempt = 0
+    while how is None:
+        state, why = _ownership(path, token)
+        if state == "mine":
+            return
+        if state == "lost":
+            how = why
+            break
+        if attempt == 0:
+            log.warning("%s: cannot read the lock file (%s); waiting for it before writing",
+                        path, why)
+        time.sleep(_backoff(attempt + 5, HEARTBEAT_S))
+        attempt += 1
     if lock is not None:
+        lock.lost = lock.lost or how
         lock._stop.set()
-    taker = f"to {holder.who()}" if holder is not None else "(its lock file is gone)"
-    raise LockLost(f"{Path(path).parent}: this process lost the run folder {taker}; stopped "
+    raise LockLost(f"{Path(path).parent}: this process lost the run folder {how}; stopped "
                    f"without writing")
