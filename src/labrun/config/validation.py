@@ -6,15 +6,21 @@ config/schema.py.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import ipaddress
+import logging
 from pathlib import Path
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from labrun.config.fields import collect
 from labrun.config.keys import check_keys
 from labrun.config.schema import SCHEMAS
 from labrun.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CHOICES = {
     "trainer.accelerator": ("auto", "cpu", "cuda", "mps"),
@@ -27,9 +33,21 @@ CHOICES = {
     "dataset.decode": ("workers", "cpu", "cuda"),
 }
 POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
-            "dataset.image_size", "optimizer.lr", "trainer.log_every_n_steps")
+            "dataset.image_size", "optimizer.lr", "trainer.log_every_n_steps",
+            "trainer.stop_check_every_n_steps")
 NON_NEGATIVE = ("optimizer.weight_decay", "trainer.grad_clip", "checkpoint.keep_last",
                 "checkpoint.every_n_steps", "dataset.num_workers", "schedule.warmup_epochs")
+# What the trainer logs itself, whatever the task: StepWindow.metrics (train/progress.py) at each
+# logged step, and perf/gpu_util where NVML reads the run's GPUs (train/trainer.py). At an
+# epoch's end the trainer takes checkpoint.monitor from the validation metrics, else from the
+# last logged value of these (Trainer.end_epoch).
+TRAINER_METRICS = ("train/loss", "train/lr", "perf/images_per_s", "perf/data_wait_frac",
+                   "perf/gpu_util")
+# Callbacks that judge an epoch by checkpoint.monitor among its validation metrics alone: to
+# them a train/ or perf/ monitor is always missing (early stopping would end the run after
+# `patience` epochs with "best none"; the pruner would never hear a value).
+READ_VALIDATION_ONLY = ("labrun.train.callbacks.EarlyStopping",
+                        "labrun.train.pruning.OptunaPruning")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -76,7 +94,74 @@ def validate(cfg: DictConfig) -> None:
     if resume not in ("auto", "never") and not Path(resume).is_file():
         raise ConfigError(
             f"checkpoint.resume={resume}: no such file; give a checkpoint path, auto or never")
+    check_checkpoint_monitor(cfg)
     _validate_monitor(cfg)
+
+
+def check_checkpoint_monitor(cfg: DictConfig) -> None:
+    """Refuse a checkpoint.monitor that no metric of the run carries: best.pt, early stopping
+    and the sweepers' objective read it, and a typo would train the whole run to end "best
+    none". Run by validate() and, before a sweep submits anything, by launch/sweep.plan.
+
+    Accepted: val/NAME for each of the task's `metric_names`, and TRAINER_METRICS. Not test/
+    (measured once, after training, on best.pt: it cannot choose best.pt) nor best/ (the best
+    so far of the metric after it)."""
+    monitor = cfg.checkpoint.monitor
+    target = OmegaConf.select(cfg, "task._target_", default=None, throw_on_missing=False)
+    task = _task_class(target) if isinstance(target, str) else None
+    if task is None:
+        return  # no task, or one that does not import: instantiate says why
+    names = getattr(task, "metric_names", None)
+    if names is None:
+        _warn_undeclared(target, monitor)
+        return
+    if isinstance(names, str):  # one name, not its letters
+        names = (names,)
+    validation_metrics = [f"val/{name}" for name in names]
+    reported = [*validation_metrics, *TRAINER_METRICS]
+    if monitor not in reported:
+        raise ConfigError(f"checkpoint.monitor={monitor} is not among the metrics this run "
+                          f"reports while training ({', '.join(reported)}); "
+                          f"{_closest(monitor, reported)}{_why_not(monitor)}")
+    if monitor in validation_metrics:
+        return
+    for name, node in (cfg.get("callbacks") or {}).items():
+        callback = node.get("_target_") if isinstance(node, DictConfig) else None
+        if callback in READ_VALIDATION_ONLY:
+            raise ConfigError(f"checkpoint.monitor={monitor}: callbacks.{name} ({callback}) "
+                              f"reads it from the validation metrics alone "
+                              f"({', '.join(validation_metrics)}); monitor one of them")
+
+
+@functools.cache  # each task is imported once per process, however many jobs name it
+def _task_class(target: str) -> object | None:
+    try:
+        return get_object(target)
+    except Exception:  # importing runs foreign code: any error means "cannot tell"
+        return None
+
+
+@functools.cache  # once per process: a sweep checks every job's config before submitting
+def _warn_undeclared(target: str, monitor: str) -> None:
+    log.warning(f"task {target} declares no metric_names: checkpoint.monitor={monitor} is not "
+                f"checked against what it reports (docs/plugins.md, Add a task)")
+
+
+def _why_not(monitor: str) -> str:
+    if monitor.startswith("test/"):
+        return " (test/ is measured once, after training, on best.pt)"
+    if monitor.startswith("best/"):
+        return " (best/X is the best X so far, which the trainer logs itself)"
+    return ""
+
+
+def _closest(monitor: str, reported: list[str]) -> str:
+    # test/X and best/X are no monitors, but val/X and X are what was meant.
+    for prefix, instead in (("test/", "val/"), ("best/", "")):
+        if monitor.startswith(prefix):
+            monitor = instead + monitor[len(prefix):]
+    hint = difflib.get_close_matches(monitor, reported, n=1)
+    return f"did you mean {hint[0]}?" if hint else "monitor one of them"
 
 
 def _validate_monitor(cfg: DictConfig) -> None:

@@ -14,6 +14,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import HydraContext
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from labrun.config import validation
 from labrun.core.errors import LabrunError
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job
@@ -30,6 +31,9 @@ def plan(hydra_context: HydraContext, master: DictConfig,
     jobs = []
     for num, overrides in enumerate(job_overrides, start=initial_job_idx):
         cfg = hydra_context.config_loader.load_sweep_config(master, list(overrides))
+        # Each job's own monitor (a sweep may vary it), before any job is submitted: a typo
+        # would otherwise train every job to the end for nothing.
+        validation.check_checkpoint_monitor(cfg)
         with open_dict(cfg.hydra.job):
             cfg.hydra.job.num = num
         job_dir = Path(str(master.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)

@@ -1,9 +1,9 @@
 """The built-in task: image classification (loss and metrics), chosen by conf/task/.
 
-A task is any class with the three methods and `num_sums` of Classification; a lab adding
-another task writes one like it and a conf/task/NAME.yaml naming it with `_target_`. The evaluation adds up
-per-batch sums (summed, so they reduce across ranks by a plain all-reduce) and turns the
-totals into metrics once at the end.
+A task is any class with the three methods, `num_sums` and `metric_names` of Classification; a
+lab adding another task writes one like it and a conf/task/NAME.yaml naming it with `_target_`
+(docs/plugins.md). The evaluation adds up per-batch sums (summed, so they reduce across ranks by
+a plain all-reduce) and turns the totals into metrics once at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ class Classification:
     # The length of eval_sums' vector: a rank that gets no evaluation batch still all-reduces a
     # vector of this shape with the others (zeros), and an empty split still gives metrics.
     num_sums = 4
+    # What eval_metrics reports for a split, each as SPLIT/NAME (val/acc). A class attribute:
+    # labrun.config.validation checks checkpoint.monitor against it before any data loads,
+    # without building the task.
+    metric_names = ("loss", "acc", "acc5")
 
     def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, labels)
@@ -38,5 +42,7 @@ class Classification:
     def eval_metrics(self, sums: torch.Tensor, split: str) -> dict[str, float]:
         loss, top1, top5, count = sums.tolist()
         count = max(count, 1.0)
-        return {f"{split}/loss": loss / count, f"{split}/acc": top1 / count,
-                f"{split}/acc5": top5 / count}
+        # Keyed by metric_names, so that what is declared is what is reported.
+        values = (loss / count, top1 / count, top5 / count)
+        return {f"{split}/{name}": value
+                for name, value in zip(self.metric_names, values, strict=True)}
