@@ -159,3 +159,18 @@ def test_a_sweep_with_a_bad_monitor_submits_no_job(tmp_path):
     # jobs.json, no job folder, no .submitit.
     left = sorted(path.name for path in sweep_dir.iterdir()) if sweep_dir.exists() else []
     assert left in ([], ["multirun.yaml"]), left
+
+
+def test_an_optuna_study_with_a_bad_monitor_asks_for_no_trial(tmp_path):
+    # Refused before the study exists: no journal holds a trial left running for the next run
+    # of the same folder to requeue.
+    sweep_dir = tmp_path / "study"
+    args = [PYTHON, "train.py", "-m", *FAST, *SHORT, "hparams_search=optuna",
+            "hydra.sweeper.n_trials=2", "checkpoint.monitor=val/acx",
+            f"hydra.sweep.dir={sweep_dir}"]
+    result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: checkpoint.monitor=val/acx is not"), result.stderr
+    left = sorted(path.name for path in sweep_dir.iterdir()) if sweep_dir.exists() else []
+    assert left in ([], ["multirun.yaml"]), left

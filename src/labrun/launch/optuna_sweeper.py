@@ -39,6 +39,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
+from labrun.config import validation
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.launch import search_space
 from labrun.runs.rundir import RunDir
@@ -69,10 +70,11 @@ class OptunaSweeper(Sweeper):
         self.sampler, self.pruner, self.params = sampler, pruner, params or {}
         self.config: DictConfig | None = None
         self.launcher = None
+        self.hydra_context: HydraContext | None = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
               config: DictConfig) -> None:
-        self.config = config
+        self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
             config=config, hydra_context=hydra_context, task_function=task_function)
 
@@ -85,6 +87,10 @@ class OptunaSweeper(Sweeper):
         distributions, fixed = search_space.parse(
             OmegaConf.to_container(OmegaConf.create(dict(self.params)), resolve=True),
             list(arguments))
+        # Before the study asks for a trial: the launcher's plan refuses a monitor no trial
+        # reports too, but only once the journal holds a trial left running.
+        validation.check_checkpoint_monitor(
+            self.hydra_context.config_loader.load_sweep_config(self.config, list(fixed)))
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         storage_spec = self._storage_spec(sweep_dir)
