@@ -24,7 +24,13 @@ from labrun.cli.hydra_app import user_error_message
 from labrun.config import validation
 from labrun.runs.rundir import RunDir
 from labrun.track import metrics_endpoint
-from labrun.track.metrics_endpoint import FAMILIES, GPU_FAMILIES, Endpoint, TrainingStats
+from labrun.track.metrics_endpoint import (
+    FAMILIES,
+    GPU_FAMILIES,
+    Endpoint,
+    RunCollector,
+    TrainingStats,
+)
 
 # Long enough to outlive the module's tests (they stop it): 4 steps and 1 validation batch an
 # epoch, so that every family has a value after the first epoch.
@@ -168,7 +174,10 @@ def test_a_running_run_serves_its_metrics(runs):
     second = scrape_until(run, lambda text: value(text, "labrun_train_samples_total")
                           > value(first, "labrun_train_samples_total"), "more samples")
     assert value(second, "labrun_train_steps_total") > value(first, "labrun_train_steps_total")
-    assert value(second, "labrun_train_samples_total") % 64 == 0  # whole batches of 64 images
+    # Every step's images, over all ranks (one here), from the same scrape: exactly.
+    batch = RunDir(run.dir).saved_config()["trainer"]["batch_size"]
+    assert value(second, "labrun_train_samples_total") == (
+        value(second, "labrun_train_steps_total") * batch)
     assert "_created" not in second
     assert samples(second).keys() == expected  # the contract's families, no GPU ones on a CPU
     [info] = samples(second)["labrun_run_info"]
@@ -248,6 +257,20 @@ def test_an_endpoint_serves_what_the_stats_say_and_stops(tmp_path):
         endpoint.stop()
     with pytest.raises(OSError):
         scrape(endpoint.url)
+
+
+def test_a_scrape_sees_each_step_with_its_images(tmp_path):
+    """A scrape runs in the endpoint's HTTP thread, and the Trainer may count a step between
+    the scrape's reading of the step counter and of the image counter: both come from one
+    moment all the same."""
+    stats = TrainingStats()
+    stats.count_step(64, time.time())
+    families = RunCollector(("run",), {}, tmp_path, stats, None).collect()
+    steps = next(families)  # the scrape has read the step counter...
+    stats.count_step(64, time.time())  # ...when the trainer counts another step
+    samples = next(families)
+    assert (steps.name, samples.name) == ("labrun_train_steps", "labrun_train_samples")
+    assert samples.samples[0].value == steps.samples[0].value * 64
 
 
 def test_a_gpus_only_endpoint_without_gpus_serves_just_its_labels(tmp_path):

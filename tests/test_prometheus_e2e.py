@@ -24,18 +24,25 @@ import pytest
 from conftest import LABRUN, read_metrics, start_train, wait_for
 from labrun.deploy import prometheus
 from labrun.deploy.served import serving
+from labrun.runs.rundir import RunDir
 
 # A run that trains one long epoch until the test stops it: synthetic images (no data to
-# read), a point logged every 5 steps, a checkpoint after the 5th step for the server.
+# read), a point logged every step, a checkpoint after the 5th step for the server.
 TRAIN = ["dataset=synthetic", "dataset.num_train=200000", "dataset.num_val=64",
          "trainer.max_epochs=1", "trainer.limit_train_batches=3000",
-         "trainer.log_every_n_steps=5", "checkpoint.every_n_steps=5", "checkpoint.keep_last=1"]
-# The comparison window: at least this many logged points over at least this many seconds,
-# all of them after Prometheus's first scrape of the run. 6 points are 25 steps: where a loaded
-# machine takes seconds per step, the counter moves in steps of one batch, and one step more or
-# less at the window's ends is then at most 4% each way.
-MIN_POINTS, MIN_SPAN_S = 6, 10.0
-TOLERANCE = 0.25
+         "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=5", "checkpoint.keep_last=1"]
+# What Prometheus stores is checked against the run's own log, not against a labrun counter:
+# the steps of metrics.jsonl times the global batch. A point is logged every step, at a time
+# when the run has taken exactly that point's steps, so a scrape read between two points
+# logged one step apart saw one of those two step counts (`bracket`). Over a window from such
+# a scrape to a later one, the counter's increase, and so rate() (Prometheus's slope between
+# the two), is then known to within one step at each end: for a window of MIN_STEPS steps
+# that is 1/25 = 4% each way, and the check allows that and no more. MIN_SPAN_S: at least
+# ten 1-second scrapes apart, so that rate() is a rate.
+MIN_STEPS, MIN_SPAN_S = 25, 10.0
+# Both clocks are this machine's; metrics.jsonl rounds its times to the millisecond and
+# Prometheus its timestamps: a bracket is widened by that much on each side.
+CLOCK_S = 0.002
 # Everything below is waited for; a deadline turns a hang into a failure. Under the load of
 # the whole suite a step took up to 2.5 s here (a point every 12 s).
 DEADLINE_S = 300
@@ -72,14 +79,36 @@ def png() -> bytes:
     return buffer.getvalue()
 
 
-def steady_window(run_dir: Path, first_scrape: float) -> list[dict] | None:
-    """The logged training points after Prometheus's first scrape of the run, once there are
-    enough of them (MIN_POINTS over MIN_SPAN_S); None before."""
-    points = [row for row in read_metrics(run_dir) if "perf/images_per_s" in row]
-    points = [row for row in points if row["time"] >= first_scrape]
-    if len(points) < MIN_POINTS or points[-1]["time"] - points[0]["time"] < MIN_SPAN_S:
+def series(prom: prometheus.Prometheus, name: str) -> dict[float, float]:
+    """Every sample Prometheus holds of the run's `name` (scrape time -> value)."""
+    rows = query(prom, f'{name}{{job="labrun"}}[1h]')
+    return {float(t): float(v) for t, v in rows[0]["values"]} if rows else {}
+
+
+def bracket(points: list[dict], at: float, took: float) -> tuple[int, int] | None:
+    """The fewest and most steps the run can have taken when a scrape that started at `at`
+    and took `took` seconds read its counters: the steps of the last point logged before it
+    and of the first logged after it. None unless a point lies on each side."""
+    before = [p["step"] for p in points if p["time"] <= at - CLOCK_S]
+    after = [p["step"] for p in points if p["time"] > at + took + CLOCK_S]
+    return (max(before), min(after)) if before and after else None
+
+
+def window(prom: prometheus.Prometheus, run_dir: Path) -> list[tuple[float, int, int]] | None:
+    """The scrapes whose step count is known to within one step, (time, fewest, most), once
+    the first and the last of them are MIN_STEPS steps and MIN_SPAN_S seconds apart; None
+    before."""
+    took = series(prom, "scrape_duration_seconds")
+    points = read_metrics(run_dir)
+    known = []
+    for at in sorted(series(prom, "labrun_train_samples_total")):
+        steps = bracket(points, at, took.get(at, 0.0)) if at in took else None
+        if steps is not None and steps[1] - steps[0] == 1:
+            known.append((at, *steps))
+    if len(known) < 2 or known[-1][1] - known[0][2] < MIN_STEPS or (
+            known[-1][0] - known[0][0] < MIN_SPAN_S):
         return None
-    return points
+    return known
 
 
 def test_prometheus_scrapes_a_training_run_and_a_server(tmp_path):
@@ -139,13 +168,10 @@ def test_prometheus_scrapes_a_training_run_and_a_server(tmp_path):
                              served.process) == {"200": GOOD, "400": BAD}
 
             # The run: found through the target file, with its labels, scraped every second.
-            def first_scrape():
-                rows = query(prom, 'labrun_train_samples_total{job="labrun"}[10m]')
-                return rows and float(rows[0]["values"][0][0])
-
-            first = until(first_scrape, "Prometheus's first scrape of the run", train, watch)
-            points = until(lambda: steady_window(run_dir, first),
-                           f"{MIN_POINTS} logged points over {MIN_SPAN_S:.0f} s", train)
+            until(lambda: series(prom, "labrun_train_samples_total"),
+                  "Prometheus's first scrape of the run", train, watch)
+            until(lambda: window(prom, run_dir), f"scrapes {MIN_STEPS} steps and "
+                  f"{MIN_SPAN_S:.0f} s apart", train)
             train.send_signal(signal.SIGINT)  # a checkpoint, then "interrupted"
             assert train.wait(timeout=DEADLINE_S) == 130  # labrun's exit code for it
             # It ended: its lock is released, and the next refresh drops it from the file.
@@ -157,33 +183,36 @@ def test_prometheus_scrapes_a_training_run_and_a_server(tmp_path):
             watch.send_signal(signal.SIGINT)
             watch.wait(timeout=30)
 
-        start, end = points[0]["time"], points[-1]["time"]
-        series = query(prom, 'labrun_train_samples_total{job="labrun"}', at=end)
-        assert len(series) == 1
-        labels = series[0]["metric"]
+        known = window(prom, run_dir)
+        start, end = known[0][0], known[-1][0]
+        rows = query(prom, 'labrun_train_samples_total{job="labrun"}', at=end)
+        assert len(rows) == 1
+        labels = rows[0]["metric"]
         assert labels["job"] == "labrun" and labels["run"] == "run"
         assert labels["node_rank"] == "0" and labels["instance"] == (
             f"127.0.0.1:{endpoint['port']}")
-        grown_from = float(query(prom, 'labrun_train_samples_total{job="labrun"}',
-                                 at=start)[0]["value"][1])
-        grown_to = float(series[0]["value"][1])
-        assert grown_to > grown_from > 0
 
-        # Images/s over the same span, both ways. Each logged point's perf/images_per_s covers
-        # the time since the point before it, so over (start, end] the run's own figure is
-        # those rates weighted by the time each covers (images over seconds, as the counter's
-        # rate is), not their plain mean. The span starts at a logged point after Prometheus's
-        # first scrape and ends at a later logged point inside the same epoch: no validation
-        # pause (which the logged rates leave out and the counter's rate would not) and no
-        # part of the span before Prometheus saw the run (which rate() cannot extrapolate to).
-        covered = [(row["perf/images_per_s"], row["time"] - before["time"])
-                   for before, row in zip(points, points[1:], strict=False)]
-        logged = sum(rate * seconds for rate, seconds in covered) / (end - start)
-        span_ms = round((end - start) * 1000)
+        # Each scrape: the images counter is the step counter of the same scrape times the
+        # global batch (one process: its batch), and that step count is the log's.
+        batch = RunDir(run_dir).saved_config()["trainer"]["batch_size"]
+        images, steps = (series(prom, name) for name in ("labrun_train_samples_total",
+                                                        "labrun_train_steps_total"))
+        for at, fewest, most in known:
+            assert images[at] == steps[at] * batch, (at, images[at], steps[at])
+            assert fewest <= steps[at] <= most, (at, steps[at], fewest, most)
+
+        # Images/s over the window, as the dashboard reads it: rate() over exactly the span
+        # from its first scrape to its last (1 ms more, so that the first is inside), which is
+        # their slope; the log says it lies between the fewest and the most images the run
+        # can have trained in that span.
+        span = end - start
         scraped = float(query(prom, f'rate(labrun_train_samples_total{{job="labrun"}}'
-                                    f'[{span_ms}ms])', at=end)[0]["value"][1])
-        print(f"images/s over {end - start:.1f} s ({len(points)} logged points): Prometheus "
-              f"{scraped:.2f}, the run's log {logged:.2f}")
-        assert abs(scraped - logged) <= TOLERANCE * logged, (
-            f"Prometheus: {scraped:.1f} images/s, the run logged {logged:.1f} images/s over the "
-            f"same {end - start:.1f} s")
+                                    f'[{round(span * 1000) + 1}ms])', at=end)[0]["value"][1])
+        low = (known[-1][1] - known[0][2]) * batch / span
+        high = (known[-1][2] - known[0][1]) * batch / span
+        print(f"images/s over {span:.1f} s ({known[-1][1] - known[0][2]}+ steps of {batch}): "
+              f"Prometheus {scraped:.2f}, the run's log {low:.2f}-{high:.2f}")
+        # 1e-6: the timestamps' float rounding in the span (Prometheus keeps integer ms).
+        assert low * (1 - 1e-6) <= scraped <= high * (1 + 1e-6), (
+            f"Prometheus: {scraped:.2f} images/s; from the run's log, {low:.2f}-{high:.2f} "
+            f"over the same {span:.1f} s")

@@ -1,11 +1,14 @@
 """Dynamic batching in `labrun serve` (labrun.deploy.batching).
 
 The HTTP tests run a real `labrun serve` process on 127.0.0.1 with the digits run's exported
-model, started with --max-batch 8 --max-delay-ms 200 --model-calls 1: long enough a wait that
-concurrent requests share model calls even on a loaded machine. Each answer's X-Batch-Size header says how many
-images its model call took. Every image sent is a different validation digit, and each answer is
-compared with that image's answer when sent alone, so an answer that went to the wrong caller
-shows.
+model, started with --max-batch 8 --max-delay-ms 200: long enough a wait that concurrent
+requests share model calls even on a loaded machine. Each runs twice: with --model-calls 1 (one
+call at a time, as on a GPU: the waiting requests gather into one call) and with the server's
+default on a CPU (one call per core plus one, running at once, each taking its share of what
+waits), where an answer could also go to a caller of another call running at the same time.
+Each answer's X-Batch-Size header says how many images its model call took. Every image sent
+is a different validation digit, and each answer is compared with that image's answer when
+sent alone, so an answer that went to the wrong caller shows.
 
 The batcher's own tests run it in-process with a fake model function that records the batches it
 is given: they test the queue logic (gathering, max_batch, the delay, errors, shutdown), which
@@ -16,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
+import os
 import threading
+from dataclasses import dataclass
 
 import cv2
 import httpx
@@ -33,16 +39,29 @@ MAX_BATCH = 8
 HEADER = "x-batch-size"
 
 
-@pytest.fixture(scope="module")
-def server(onnx_model, tmp_path_factory):
+@dataclass
+class Server:
+    url: str
+    calls: int  # model calls at once (/health's model_calls)
+
+
+# "one call": as on a GPU, the waiting requests gather into one call; "default calls": the
+# server's own choice on this CPU, several calls at once, each taking its share of what waits.
+MODEL_CALLS = {"one call": ("--model-calls", "1"), "default calls": ()}
+
+
+@pytest.fixture(scope="module", params=list(MODEL_CALLS))
+def server(request, onnx_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("batching-server") / "server.log"
     try:
-        # One model call at a time, as on a GPU: on a CPU the server's several calls would
-        # share the waiting requests out among them instead of gathering them.
         with serving(onnx_model, log, cwd=PROJECT,
                      args=("--max-batch", str(MAX_BATCH), "--max-delay-ms", "200",
-                           "--model-calls", "1")) as served:
-            yield served.url
+                           *MODEL_CALLS[request.param])) as served:
+            health = httpx.get(f"{served.url}/health", timeout=10).json()
+            # The default: several calls on a CPU (one per core plus one), one on a GPU.
+            default = batching.model_calls(health["device"], os.cpu_count())
+            assert health["model_calls"] == (1 if request.param == "one call" else default)
+            yield Server(served.url, health["model_calls"])
     finally:
         print(log.read_text()[-3000:])
 
@@ -64,7 +83,7 @@ def images() -> list[tuple[str, bytes]]:
 def alone(server, images) -> dict[str, dict[int, float]]:
     """Each image's answer (all 10 classes) when it is the only request: a batch of one."""
     answers = {}
-    with httpx.Client(base_url=server, timeout=60) as client:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
         for name, data in images:
             answer = client.post("/predict?k=10", files={"file": (name, data)})
             assert answer.status_code == 200, answer.text
@@ -116,7 +135,7 @@ def post(url: str, path: str, files) -> httpx.Response:
 
 def test_concurrent_requests_share_model_calls_and_each_gets_its_own_answer(server, images,
                                                                           alone):
-    answers = at_once([lambda name=name, data=data: post(server, "/predict?k=10",
+    answers = at_once([lambda name=name, data=data: post(server.url, "/predict?k=10",
                                                          {"file": (name, data)})
                        for name, data in images])
     sizes = []
@@ -124,9 +143,39 @@ def test_concurrent_requests_share_model_calls_and_each_gets_its_own_answer(serv
         assert answer.status_code == 200, answer.text
         assert_same(probs(answer.json()["top"]), alone[name], name)
         sizes.append(int(answer.headers[HEADER]))
-    print(f"model calls' sizes seen by 16 concurrent requests: {sizes}")
-    assert max(sizes) > 1, sizes  # gathered: several requests answered by one model call
+    print(f"model calls' sizes seen by 16 concurrent requests ({server.calls} at once): {sizes}")
     assert max(sizes) <= MAX_BATCH, sizes
+    if server.calls == 1:
+        # Gathered: several requests answered by one model call. With several calls a free
+        # call starts on what waits at once, so requests that arrive one by one may each get
+        # a call of their own: their answers are checked all the same.
+        assert max(sizes) > 1, sizes
+
+
+def shares(waiting: int, calls: int) -> list[int]:
+    """The X-Batch-Size of each of `waiting` images queued at once on an idle server: each call
+    takes ceil(what waits / calls), at most MAX_BATCH (labrun.deploy.batching), in turn."""
+    sizes: list[int] = []
+    while waiting:
+        take = min(MAX_BATCH, math.ceil(waiting / calls))
+        sizes += [take] * take
+        waiting -= take
+    return sizes
+
+
+def test_one_requests_files_are_shared_out_among_the_calls_and_answered_in_order(server,
+                                                                              images, alone):
+    """16 files in one /predict/batch request are queued at once, so how the server splits
+    them is fixed: one call takes 8, then 8; three calls (two cores) take 6, 4 and 2 at once,
+    then 2, 1 and 1. Each file's answer is that image's own, whichever call ran it."""
+    answer = post(server.url, "/predict/batch?k=10", [("files", item) for item in images])
+    assert answer.status_code == 200, answer.text
+    results = answer.json()["results"]
+    assert [r["filename"] for r in results] == [name for name, _ in images]
+    for result in results:
+        assert_same(probs(result["top"]), alone[result["filename"]], result["filename"])
+    sizes = [int(size) for size in answer.headers[HEADER].split(",")]
+    assert sizes == shares(len(images), server.calls), sizes
 
 
 def test_an_undecodable_image_fails_only_its_own_request(server, images, alone):
@@ -134,7 +183,7 @@ def test_an_undecodable_image_fails_only_its_own_request(server, images, alone):
     bad = [("junk.jpg", b"GIF89a this is not really a gif"),
            ("cut.jpg", images[6][1][: len(images[6][1]) // 2])]
     sent = good[:3] + bad[:1] + good[3:] + bad[1:]
-    answers = at_once([lambda name=name, data=data: post(server, "/predict?k=10",
+    answers = at_once([lambda name=name, data=data: post(server.url, "/predict?k=10",
                                                          {"file": (name, data)})
                        for name, data in sent])
     for (name, _), answer in zip(sent, answers, strict=True):
@@ -144,7 +193,7 @@ def test_an_undecodable_image_fails_only_its_own_request(server, images, alone):
         else:
             assert answer.status_code == 200, answer.text
             assert_same(probs(answer.json()["top"]), alone[name], name)
-    assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 
 def test_batch_and_single_requests_share_the_queue_and_keep_their_order(server, images,
@@ -153,9 +202,10 @@ def test_batch_and_single_requests_share_the_queue_and_keep_their_order(server, 
     # and four single /predict requests, all at once.
     groups = [images[i:i + 3][::-1] for i in range(0, 12, 3)]
     singles = images[12:16]
-    calls = [lambda group=group: post(server, "/predict/batch?k=10",
+    calls = [lambda group=group: post(server.url, "/predict/batch?k=10",
                                       [("files", item) for item in group]) for group in groups]
-    calls += [lambda name=name, data=data: post(server, "/predict?k=10", {"file": (name, data)})
+    calls += [lambda name=name, data=data: post(server.url, "/predict?k=10",
+                                                {"file": (name, data)})
               for name, data in singles]
     answers = at_once(calls)
     sizes = []
@@ -172,8 +222,12 @@ def test_batch_and_single_requests_share_the_queue_and_keep_their_order(server, 
         assert answer.status_code == 200, answer.text
         assert_same(probs(answer.json()["top"]), alone[name], name)
         sizes.append(int(answer.headers[HEADER]))
-    print(f"model calls' sizes: {sizes}")
+    print(f"model calls' sizes ({server.calls} at once): {sizes}")
     assert max(sizes) <= MAX_BATCH, sizes
+    if server.calls == 1:
+        # A call larger than any one request (3 files at most) held images of several
+        # requests: the queue was really shared. (With several calls at once, see above.)
+        assert max(sizes) > max(len(group) for group in groups), sizes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +399,9 @@ def test_several_model_calls_share_out_the_waiting_items():
 
     answers = asyncio.run(main())
     assert model.batches == [["a"], ["b"], ["c", "d"], ["e"], ["f"]]
-    assert [size for _, size in answers] == [1, 1, 2, 2, 1, 1]
+    # Each caller gets its own item's answer, with its call's size, whichever call ran it.
+    assert answers == [(("out", x), size) for x, size in zip("abcdef", [1, 1, 2, 2, 1, 1],
+                                                             strict=True)]
 
 
 async def until(condition) -> None:

@@ -114,6 +114,7 @@ class WandbTracker:
         self.run_id = run.resume_id
         # Steps W&B already holds (an uploaded segment, an online run's server): not logged again.
         self.held: set[int] = set()
+        self.history = True  # False: which steps W&B holds is unknown, none is logged
         mode = wandb_mode(mode)
         if mode == "disabled":
             return
@@ -147,6 +148,13 @@ class WandbTracker:
             wandb_history.declare_step(self.run)
             self.held = wandb_history.prepare(self.run, run_dir, run.resume_id is not None,
                                               self.rows)
+        except wandb_history.Unreadable as error:
+            # Any step logged now may be one W&B holds already: log none (the summary is still
+            # updated at the end, less its `step`).
+            self.history = False
+            _warn(f"W&B: {error}; which steps W&B already holds is unknown, so this attempt "
+                  f"logs no history to W&B, so that none is there twice (W&B will lack this "
+                  f"attempt's steps; metrics.jsonl has them all)")
         except Exception as error:  # noqa: BLE001
             _warn(f"W&B could not log the earlier points again ({one_line(error)}); its history "
                   f"may have holes, metrics.jsonl has them all")
@@ -156,7 +164,7 @@ class WandbTracker:
                      f"wandb sync {saved}")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.run is None or step in self.held:
+        if self.run is None or not self.history or step in self.held:
             return
         try:
             # The x-axis is labrun's `step` (define_metric), not W&B's `_step`: a resumed run can
@@ -171,7 +179,10 @@ class WandbTracker:
             return
         try:
             self.rows.flush()
-            self.run.summary.update({k: v for k, v in summary.items() if v is not None})
+            # Without history, the summary's `step` would tell a later online resume that W&B
+            # holds every step up to it (wandb_history.prepare).
+            self.run.summary.update({k: v for k, v in summary.items() if v is not None
+                                     and (self.history or k != wandb_history.STEP)})
             self.run.finish(exit_code=0 if status == "completed" else 1)
         except Exception as error:  # noqa: BLE001
             _warn(f"W&B finish failed ({one_line(error)})")

@@ -79,6 +79,23 @@ class TrainingStats:
     lr: float | None = None
     monitor: str = "val/acc"  # checkpoint.monitor
     monitored: float | None = None  # its last value
+    # steps and samples change together (count_step) and a scrape reads them together
+    # (counts()), so that no scrape sees a step without its images: the scrape runs in the
+    # HTTP server's thread, which may run between any two of the Trainer's statements.
+    _counting: threading.Lock = field(default_factory=threading.Lock, repr=False,
+                                      compare=False)
+
+    def count_step(self, samples: int, at: float) -> None:
+        """One optimizer step, of `samples` images over all ranks, ended at unix time `at`."""
+        with self._counting:
+            self.steps += 1
+            self.samples += samples
+            self.last_step_at = at
+
+    def counts(self) -> tuple[int, int]:
+        """(steps, samples) at one moment."""
+        with self._counting:
+            return self.steps, self.samples
 
     def record(self, metrics: dict[str, Any], epoch: int, monitor: str) -> None:
         """A logged point: the values a scrape shows until the next one. Called at log time,
@@ -217,10 +234,11 @@ class RunCollector(Collector):
         yield info
 
     def _run_families(self, stats: TrainingStats):
+        steps, samples = stats.counts()  # read together: samples == steps x global batch
         yield CounterMetricFamily("labrun_train_steps_total",
-                                  "Optimizer steps this process has taken", value=stats.steps)
+                                  "Optimizer steps this process has taken", value=steps)
         yield CounterMetricFamily("labrun_train_samples_total",
-                                  "Images trained on, over all ranks", value=stats.samples)
+                                  "Images trained on, over all ranks", value=samples)
         yield CounterMetricFamily("labrun_data_wait_seconds_total",
                                   "Rank 0's time blocked waiting for batches",
                                   value=stats.data_wait_s)

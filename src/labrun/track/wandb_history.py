@@ -17,6 +17,17 @@ What labrun does (`prepare`, when the tracker starts):
 - What W&B already holds is never logged again: the steps of uploaded segments of this run
   (read back with `wandb leet inspect`), or, for an online run, every step up to the last one
   the server has (its summary's `step`: points reach the server in order).
+- A segment whose upload was interrupted (`wandb sync` stopped: wandb-core has written its
+  run-ID.wandb.syncstate, but no .wandb.synced) holds steps of which W&B has an unknown first
+  part. Online, the server's last step says how far it got, and the rest is logged again.
+  Offline nobody can say, so none of its steps is logged again (W&B may then lack the ones
+  the upload did not reach; metrics.jsonl has them all). Either way it is moved aside: a
+  second `wandb sync` of it sends it again from its first row (measured with wandb 0.31: it
+  resumes the W&B run after the rows already there), which would put its uploaded part in
+  W&B twice.
+- When an uploaded or partly uploaded segment cannot be read, which steps W&B holds is
+  unknown: `prepare` raises Unreadable, and the tracker then logs no history to W&B for this
+  attempt rather than risk a step twice.
 - Then every metrics.jsonl point W&B does not hold is logged, in order, before training goes
   on; training's own points at a step W&B holds are skipped.
 """
@@ -31,7 +42,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labrun.core.errors import one_line
+from labrun.core.errors import first_line, one_line
 from labrun.runs.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -73,15 +84,31 @@ class StepRows:
 
 def prepare(run: Any, run_dir: Path, resumed: bool, rows: StepRows) -> set[int]:
     """Make the W&B run whole before training continues (see the module's note), through
-    `rows`. Returns the steps W&B already holds, which training must not log again."""
+    `rows`. Returns the steps W&B already holds, which training must not log again. Raises
+    Unreadable, before logging anything, when an earlier segment that W&B holds all or part
+    of cannot be read."""
     segment = Path(run.dir).parent  # wandb/offline-run-DATE-ID/ (or run-DATE-ID/ online)
-    supersede(segment, run.id)
     held: set[int] = set()
+    # The server's last step, online: it holds every step up to it, from whichever segment.
+    last = run.summary.get(STEP) if resumed and not run.offline else None
+    online_last = int(last) if isinstance(last, int | float) else None
+    partly: dict[Path, set[int]] = {}
     if resumed:
         held = synced_steps(segment, run.id)
-        last = run.summary.get(STEP) if not run.offline else None
-        if isinstance(last, int | float):
-            held |= set(range(int(last) + 1))
+        if online_last is not None:
+            held |= set(range(online_last + 1))
+        if run.offline:
+            partly = {s: steps_of(s) for s in earlier(segment, run.id) if is_partly_uploaded(s)}
+            for steps in partly.values():
+                held |= steps
+    supersede(segment, run.id)
+    for part, steps in partly.items():
+        if steps:
+            log.warning(f"W&B: the upload of {part.name} was interrupted (`wandb sync` did not "
+                        f"finish) and this run is offline, so which of its steps W&B holds is "
+                        f"unknown: its steps {min(steps)}-{max(steps)} are not logged again, "
+                        f"so that none is in W&B twice (W&B may lack the ones the upload did "
+                        f"not reach; metrics.jsonl has them all)")
     points = [row for row in RunDir(run_dir).read_metrics() if row.get(STEP) not in held]
     for row in points:
         rows.add(row, row[STEP])
@@ -108,8 +135,24 @@ def is_synced(segment: Path) -> bool:
     return any(segment.glob("*.wandb.synced"))
 
 
+def is_partly_uploaded(segment: Path) -> bool:
+    """A `wandb sync` of it started but did not finish: wandb-core writes run-ID.wandb.syncstate
+    when it starts uploading a .wandb file (an offline run has none), .wandb.synced at the end."""
+    return any(segment.glob("*.wandb.syncstate")) and not is_synced(segment)
+
+
+def earlier(current: Path, run_id: str) -> list[Path]:
+    """This W&B run's offline segments in the run folder besides the current one, those moved
+    to wandb/superseded/ included: a partly uploaded one moved there by an earlier resume still
+    holds steps W&B may have."""
+    wandb_dir = current.parent
+    return [s for s in segments(wandb_dir) + segments(wandb_dir / SUPERSEDED)
+            if s != current and s.name.endswith(f"-{run_id}")]
+
+
 def supersede(current: Path, run_id: str) -> None:
-    """Move the earlier offline segments that were never uploaded to wandb/superseded/."""
+    """Move the earlier offline segments that were never (wholly) uploaded to
+    wandb/superseded/."""
     wandb_dir = current.parent
     stale = [s for s in segments(wandb_dir) if s != current and not is_synced(s)]
     if not stale:
@@ -118,34 +161,44 @@ def supersede(current: Path, run_id: str) -> None:
     target.mkdir(exist_ok=True)
     for segment in stale:
         shutil.move(str(segment), str(target / segment.name))
-    log.info(f"W&B: {len(stale)} earlier offline segment(s) of this run folder were never "
-             f"uploaded; the new segment logs their points again from metrics.jsonl, so they "
-             f"were moved to {target} (do not upload them)")
+    partly = sum(is_partly_uploaded(target / s.name) for s in stale)
+    log.info(f"W&B: {len(stale)} earlier offline segment(s) of this run folder were not "
+             f"uploaded ({partly} of them partly); this segment logs again, from metrics.jsonl, "
+             f"what W&B may lack of them, so they were moved to {target} (do not upload them)")
 
 
 def synced_steps(current: Path, run_id: str) -> set[int]:
     """Labrun's steps in this run's offline segments that were already uploaded."""
     held: set[int] = set()
-    for segment in segments(current.parent):
-        if segment != current and segment.name.endswith(f"-{run_id}") and is_synced(segment):
-            held |= {row[STEP] for row in read_history(segment) if STEP in row}
+    for segment in earlier(current, run_id):
+        if is_synced(segment):
+            held |= steps_of(segment)
     return held
+
+
+def steps_of(segment: Path) -> set[int]:
+    return {row[STEP] for row in read_history(segment) if STEP in row}
+
+
+class Unreadable(Exception):
+    """An earlier segment W&B holds (part of) could not be read: which steps W&B holds is
+    unknown."""
 
 
 def read_history(segment: Path) -> list[dict[str, Any]]:
     """The history rows of an offline segment, read with W&B's own reader (`wandb leet
-    inspect`; wandb has no Python reader of .wandb files). [] with a warning if it fails."""
+    inspect`; wandb has no Python reader of .wandb files). Unreadable if that fails."""
     wandb = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
     try:
         out = subprocess.run([wandb, "leet", "inspect", "--json", str(segment)],
                              capture_output=True, text=True, check=True,
                              timeout=INSPECT_TIMEOUT).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        log.warning(f"W&B: could not read {segment} ({one_line(error)}); its points may be "
-                    f"logged twice")
-        return []
-    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return [history_row(r["history"]) for r in records if r.get("type") == "history"]
+        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        return [history_row(r["history"]) for r in records if r.get("type") == "history"]
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, TypeError) as error:
+        detail = first_line(getattr(error, "stderr", None) or "")  # what the reader said
+        raise Unreadable(f"could not read {segment} with `wandb leet inspect` "
+                         f"({one_line(error)}{'; ' + detail if detail else ''})") from error
 
 
 def history_row(history: dict[str, Any]) -> dict[str, Any]:

@@ -254,10 +254,8 @@ class Trainer:
         window.steps += 1
         window.samples += self.per_rank_batch * self.dist.world_size
         window.loss += step_loss
-        stats = self.stats
-        stats.steps += 1
-        stats.samples += self.per_rank_batch * self.dist.world_size
-        stats.last_step_at = time.time()
+        # Steps and images counted together: a scrape never sees one without the other.
+        self.stats.count_step(self.per_rank_batch * self.dist.world_size, time.time())
 
     @torch.inference_mode()
     def evaluate(self, split: str) -> dict[str, float]:
