@@ -49,6 +49,17 @@ def test_truncated_newest_checkpoint_is_skipped(tmp_path):
     assert path.name == "step-00000002.pt" and loaded["step"] == 2
 
 
+def test_a_kill_between_the_step_file_and_last_pt_resumes_from_the_step_file(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    for step in (1, 2):
+        manager.save(state(step), step)
+    # What save() leaves when killed after renaming step 3 into place, before last.pt follows.
+    manager._write_atomic(state(3), tmp_path / "step-00000003.pt")
+    assert load(tmp_path / "last.pt")["step"] == 2
+    path, loaded = manager.load_latest_valid()
+    assert path.name == "step-00000003.pt" and loaded["step"] == 3
+
+
 def test_no_valid_checkpoint_is_a_clear_error(tmp_path):
     manager = CheckpointManager(tmp_path)
     manager.save(state(1), 1)

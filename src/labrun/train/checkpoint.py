@@ -186,8 +186,10 @@ class CheckpointManager:
         none of them loads.
         """
         candidates = list(reversed(self.history()))
+        # last.pt after the newest step file: save() renames a step file into place before it
+        # points last.pt at it, so a kill in between leaves last.pt one checkpoint behind.
         if (self.folder / "last.pt").exists():
-            candidates.insert(0, self.folder / "last.pt")
+            candidates.insert(1, self.folder / "last.pt")
         if not candidates:
             return None
         for path in candidates:
