@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 PROJECT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -120,10 +123,20 @@ SLURM_SKIP_REASON = "LABRUN_NO_SLURM=1: the SLURM tests were asked not to run"
 def pytest_itemcollected(item):
     # `make test` runs two pytest-xdist workers with --dist loadgroup: a file's tests stay on one
     # worker (its module fixtures train once), and every SLURM test shares one worker, since
-    # they share one test cluster and some reconfigure it. Marked here, as each test is
-    # collected, because xdist reads the marks in its pytest_collection_modifyitems.
-    slurm = item.get_closest_marker("slurm") is not None
-    item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
+    # they share one test cluster and some reconfigure it. A file whose tests share no module
+    # fixture may say SPREAD_OVER_WORKERS = True: each of its tests is then a group of its own,
+    # and long independent tests (tests/faults/test_kills.py) run on both workers at once.
+    # Marked here, as each test is collected, because xdist reads the marks in its
+    # pytest_collection_modifyitems.
+    if item.get_closest_marker("slurm") is not None:
+        group = "slurm"
+    elif getattr(getattr(item, "module", None), "SPREAD_OVER_WORKERS", False):
+        # No "]" in a group's name: xdist reads the group after the last "@" of a node id only
+        # when no "]" (a parameter's id) follows it.
+        group = item.nodeid.replace("[", "(").replace("]", ")")
+    else:
+        group = item.nodeid.split("::")[0]
+    item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -140,6 +153,28 @@ def slurm_configured() -> bool:
     return Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")).is_file()
 
 
+# ---------------------------------------------------------------------------------------------
+# The fault table (tests/faults/conftest.py records the trials). A test's rows come back in its
+# teardown report as user properties named FAULT_ROW: the reports are what reaches the
+# controlling process from the xdist workers, and only it prints a summary. This file, not
+# tests/faults/conftest.py, adds them up: the controller never collects a test, so it loads
+# tests/faults/conftest.py only when given a path inside tests/faults/, which `make test` is not.
+
+FAULT_ROW = "labrun-fault-row"
+FAULT_COUNTS = ("trials", "survived", "data_lost", "cannot_tell")
+FAULT_TABLE: dict[str, dict[str, int]] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "teardown":  # the teardown report carries the rows, and only once
+        return
+    for name, row in report.user_properties:
+        if name == FAULT_ROW:  # several tests may try one fault: their trials add up
+            total = FAULT_TABLE.setdefault(row["fault"], dict.fromkeys(FAULT_COUNTS, 0))
+            for count in FAULT_COUNTS:
+                total[count] += row[count]
+
+
 def pytest_terminal_summary(terminalreporter):
     # Counted from the reports, which reach the controller from the xdist workers too.
     not_run = [r for r in terminalreporter.stats.get("skipped", [])
@@ -147,23 +182,51 @@ def pytest_terminal_summary(terminalreporter):
     if not_run:
         terminalreporter.write_line(f"SLURM: {len(not_run)} SLURM tests did not run "
                                     f"(LABRUN_NO_SLURM=1)", yellow=True, bold=True)
+    if FAULT_TABLE:
+        write = terminalreporter.write_line
+        write("")
+        write("fault injection: fault | trials | survived | data lost | cannot tell")
+        # By name: the workers' reports arrive in no fixed order.
+        for fault, total in sorted(FAULT_TABLE.items()):
+            write(f"  {fault} | " + " | ".join(str(total[count]) for count in FAULT_COUNTS))
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder `name`, filled by `build(folder)` once for the whole test session, for the
+    session fixtures that train or export: under xdist each worker has its own session
+    fixtures, so without this both workers would train the same run, each with half of the
+    machine's two cores. The first worker to ask builds it while the other waits on a file lock
+    in the folder the workers share; a build that failed (no `.done` file) is built again."""
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist a worker's base temp is <this session's folder>/popen-gwN: the parent is
+    # shared by the workers and by nothing else. Without xdist the parent holds other
+    # sessions' folders, so the session's own base temp is used.
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory) -> Path:
     """A short real training run on the built-in digits data, shared by every test that only
     reads a finished run folder (contract, export, serve, compare...)."""
-    run_dir = tmp_path_factory.mktemp("digits_run") / "run"
-    run_train("trainer.max_epochs=3", "dataset.num_workers=2", run_dir=run_dir)
-    return run_dir
+    folder = built_once(tmp_path_factory, "digits_run", lambda folder: run_train(
+        "trainer.max_epochs=3", "dataset.num_workers=2", run_dir=folder / "run"))
+    return folder / "run"
 
 
 @pytest.fixture(scope="session")
 def onnx_model(digits_run, tmp_path_factory) -> Path:
     """digits_run exported to ONNX once, for the serving tests (which only read it)."""
-    out = tmp_path_factory.mktemp("digits_onnx") / "digits.onnx"
-    run_labrun("export", str(digits_run), "--format", "onnx", "--out", str(out))
-    return out
+    folder = built_once(tmp_path_factory, "digits_onnx", lambda folder: run_labrun(
+        "export", str(digits_run), "--format", "onnx", "--out", str(folder / "digits.onnx")))
+    return folder / "digits.onnx"
 
 
 def digit_jpeg() -> bytes:
@@ -211,9 +274,9 @@ def assert_identical(a: dict, b: dict) -> None:
 def reference_run(tmp_path_factory) -> Path:
     """The folder of an uninterrupted DETERMINISTIC run: what every resumed run must match
     (final weights, metrics.jsonl lines, kept checkpoints). Read it, never write to it."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    run_train(*DETERMINISTIC, run_dir=run_dir)
-    return run_dir
+    folder = built_once(tmp_path_factory, "reference",
+                        lambda folder: run_train(*DETERMINISTIC, run_dir=folder / "run"))
+    return folder / "run"
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The fault-injection suite: each test injects a fault into real processes and real files,
 records what it injected and what it saw, and the session ends with the table
-(fault, trials, survived, data lost, cannot tell).
+(fault, trials, survived, data lost, cannot tell), printed by tests/conftest.py.
 
 Every cell is computed from checks of the trial itself: `trial()` takes `survived` and `lost`
 as the results of those checks and has no defaults, so a row cannot be typed as a constant.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-REPORT: dict[str, dict] = {}
+from conftest import FAULT_ROW
 
 
 @dataclass
@@ -49,24 +49,28 @@ class FaultRecord:
         print(f"[{self.fault}] survived={bool(survived)} lost="
               f"{'cannot tell' if lost is None else bool(lost)}: {note}")
 
+    def row(self) -> dict:
+        """What the end-of-session table adds up: plain values, which xdist can send."""
+        return {"fault": self.fault, "trials": self.trials, "survived": self.survived,
+                "data_lost": self.data_lost, "cannot_tell": self.cannot_tell}
+
 
 @pytest.fixture
 def fault(request):
-    """fault("name") -> a FaultRecord that lands in the end-of-session table."""
+    """fault("name") -> a FaultRecord that lands in the end-of-session table.
+
+    Under `make test`'s xdist workers the test runs in a worker, and only the controlling
+    process prints a summary: each record goes back with the test's teardown report, as a user
+    property, and tests/conftest.py adds the rows up there. Teardown, so that a trial recorded
+    before a failed assert still counts."""
+    records: dict[str, FaultRecord] = {}
+
     def make(name: str) -> FaultRecord:
-        return REPORT.setdefault(name, FaultRecord(name))
-    return make
+        return records.setdefault(name, FaultRecord(name))
 
-
-def pytest_terminal_summary(terminalreporter):
-    if not REPORT:
-        return
-    write = terminalreporter.write_line
-    write("")
-    write("fault injection: fault | trials | survived | data lost | cannot tell")
-    for record in REPORT.values():
-        write(f"  {record.fault} | {record.trials} | {record.survived} | {record.data_lost}"
-              f" | {record.cannot_tell}")
+    yield make
+    for record in records.values():
+        request.node.user_properties.append((FAULT_ROW, record.row()))
 
 
 # ---------------------------------------------------------------------------------------------

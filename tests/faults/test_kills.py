@@ -9,7 +9,9 @@ kills it (SIGKILL) and checks that it died by signal 9. A kill that landed befor
 step and checkpoint (in start-up, say) or after the run had finished is not a trial of this
 fault; it is retried, a bounded number of times. The moments are seeded: a random checkpoint,
 then a random fraction of the time between checkpoints, so that the kill lands at any point of
-training (a step, a log line, an evaluation, a save) however loaded the machine is."""
+training (a step, a log line, an evaluation, a save) however loaded the machine is. Every trial
+also checks where the run resumed: from the newest checkpoint on disk when it was frozen (a
+resume from an older one would still end bit-identical, and lose the steps in between)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,15 @@ KEEP_LAST = 3  # checkpoint.keep_last, the default (conf/train.yaml)
 # How long a stopped process may take to write its stop checkpoint and exit: one optimizer
 # step, one save and the data workers' shutdown, which take seconds even on a loaded machine.
 STOP_TIMEOUT = 180
+# How long a trial waits for a run to reach the checkpoint it is waiting for: a whole
+# DETERMINISTIC run's time (run_train's 300 s), so that a run that hangs or never saves fails
+# the trial instead of blocking the suite.
+RUN_TIMEOUT = 300
+
+# These tests share no module fixture (reference_run is a session fixture, built once for both
+# xdist workers): each is a group of its own and the two workers run them side by side
+# (tests/conftest.py, pytest_itemcollected).
+SPREAD_OVER_WORKERS = True
 
 
 def start(run_dir: Path) -> subprocess.Popen:
@@ -75,6 +86,11 @@ def step_files(run_dir: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("step-*.pt")) if folder.is_dir() else []
 
 
+def newest_step(files: list[str]) -> int | None:
+    """The step of the newest of `files` (step-NNNNNNNN.pt names, as step_files gives them)."""
+    return int(re.fullmatch(r"step-(\d{8})\.pt", files[-1]).group(1)) if files else None
+
+
 def unreadable_checkpoints(run_dir: Path) -> list[str]:
     """Every checkpoint under a final name (step files, last.pt, best.pt) that does not load."""
     folder = run_dir / "checkpoints"
@@ -86,24 +102,28 @@ def unreadable_checkpoints(run_dir: Path) -> list[str]:
     return problems
 
 
-def kill_at(run_dir: Path, target: int, fraction: float
-            ) -> tuple[str, int | None, list[str], float]:
+def kill_at(run_dir: Path, target: int, fraction: float, launch=start,
+            timeout: float = RUN_TIMEOUT) -> tuple[str, int | None, list[str], float]:
     """Start a run; once it has saved step-`target`.pt, wait `fraction` of the time that
     checkpoint took after the one before (the run's pace now: the machine's load changes it
     tenfold), freeze the run, look at what it has done, kill -9 it. The kill lands anywhere
     from that checkpoint to about the next one: in a step, a log write, an evaluation, a save.
     Returns where it landed ("mid-training"; "too early": no step logged or no checkpoint yet;
     "finished"), the newest logged step and the checkpoint files seen while it was frozen,
-    and the seconds waited after step-`target`.pt."""
+    and the seconds waited after step-`target`.pt. `launch` starts the run; a run that neither
+    saves step-`target`.pt nor ends within `timeout` seconds fails the trial."""
     folder = run_dir / "checkpoints"
     folder.mkdir(parents=True)  # to be watched from the start; labrun accepts an empty folder
     inotify = INotify()
     inotify.add_watch(folder, flags.MOVED_TO)  # a checkpoint's rename to its final name
-    proc = start(run_dir)
+    proc = launch(run_dir)
     arrivals = [time.monotonic()]  # the start, then every step file's arrival
+    deadline = arrivals[0] + timeout
     delay = None
     try:
         while delay is None and proc.poll() is None:
+            assert time.monotonic() < deadline, \
+                f"the run neither saved step-{target:08d}.pt nor ended within {timeout} s"
             # Wake at least every second to notice a run that ended before step `target`.
             for event in inotify.read(timeout=1000):
                 match = re.fullmatch(r"step-(\d{8})\.pt", event.name)
@@ -156,46 +176,56 @@ def resume_and_check(run_dir: Path, reference_run: Path, reference_weights: dict
     return survived, lost, note, int(resumed.group(1)) if resumed else None
 
 
-def test_kill_9_at_random_moments(tmp_path, reference_run, reference_weights, fault):
+# One test per trial, each with its own seed: the trials are independent, so the two xdist
+# workers run them side by side, in any order (one test of four trials took 17 min, alone on
+# one worker, on a loaded machine).
+@pytest.mark.parametrize("trial", range(1, RANDOM_KILLS + 1), ids=lambda t: f"trial-{t}")
+def test_kill_9_at_a_random_moment(tmp_path, reference_run, reference_weights, fault, trial):
     record = fault("kill -9 (random moment)")
-    rng = random.Random(20261129)
+    rng = random.Random(20261129 + trial)
     saved = schedule(reference_run)
-    failed = []
-    for trial in range(RANDOM_KILLS):
-        for attempt in range(ATTEMPTS):
-            run_dir = tmp_path / f"trial-{trial}-attempt-{attempt}"
-            # Any checkpoint but the last; from the first one on, nothing has been logged yet
-            # (the first line is at step 10): such a kill is drawn again, as one in start-up.
-            target, fraction = rng.choice(saved[:-1]), rng.random()
-            landed, step, files, delay = kill_at(run_dir, target, fraction)
-            if landed == "mid-training":
-                break
-            print(f"[kill -9] trial {trial + 1}: the kill {delay:.1f}s after step-{target:08d}.pt "
-                  f"landed {landed} (logged step {step}, files {files}): not counted, drawn again")
-        else:
-            pytest.fail(f"trial {trial + 1}: no kill landed mid-training in {ATTEMPTS} runs")
-        survived, lost, note, _ = resume_and_check(run_dir, reference_run, reference_weights)
-        record.trial(survived, lost=bool(lost),
-                     note=f"kill -9 {delay:.1f}s after step-{target:08d}.pt, frozen at logged "
-                          f"step {step} with {files[-1]} saved; {note}")
-        if not survived or lost:
-            failed.append(f"trial {trial + 1}: {note}")
-    assert not failed, "\n".join(failed)
+    for attempt in range(ATTEMPTS):
+        run_dir = tmp_path / f"attempt-{attempt}"
+        # Any checkpoint but the last; from the first one on, nothing has been logged yet
+        # (the first line is at step 10): such a kill is drawn again, as one in start-up.
+        target, fraction = rng.choice(saved[:-1]), rng.random()
+        landed, step, files, delay = kill_at(run_dir, target, fraction)
+        if landed == "mid-training":
+            break
+        print(f"[kill -9] trial {trial}: the kill {delay:.1f}s after step-{target:08d}.pt "
+              f"landed {landed} (logged step {step}, files {files}): not counted, drawn again")
+    else:
+        pytest.fail(f"trial {trial}: no kill landed mid-training in {ATTEMPTS} runs")
+    survived, lost, note, resumed_from = resume_and_check(run_dir, reference_run,
+                                                          reference_weights)
+    resumed_there = resumed_from == newest_step(files)
+    record.trial(survived and resumed_there, lost=bool(lost),
+                 note=f"kill -9 {delay:.1f}s after step-{target:08d}.pt, frozen at logged "
+                      f"step {step} with {files[-1]} the newest saved; {note}")
+    assert resumed_there, f"resumed from step {resumed_from}, not from the newest checkpoint " \
+                          f"when frozen ({files[-1]}): {note}"
+    assert survived and not lost, note
 
 
-def kill_during_write(run_dir: Path, target: int) -> dict | None:
+def kill_during_write(run_dir: Path, target: int, launch=start,
+                      timeout: float = RUN_TIMEOUT) -> dict | None:
     """Start a run and kill -9 it while it writes the checkpoint of step `target` or a later
     one: inotify reports the temporary file's creation, the run is frozen at once, and killed
     if the file is still there under its temporary name (the rename has not happened). A write
     that finished before the freeze landed is let go, and the next one is caught. None if the
-    run ended without a caught write."""
+    run ended without a caught write. `launch` starts the run; a run that neither is caught
+    writing nor ends within `timeout` seconds fails the trial."""
     folder = run_dir / "checkpoints"
     folder.mkdir(parents=True)  # to be watched from the start; labrun accepts an empty folder
     inotify = INotify()
     inotify.add_watch(folder, flags.CREATE)
-    proc = start(run_dir)
+    proc = launch(run_dir)
+    deadline = time.monotonic() + timeout
     try:
         while proc.poll() is None:
+            assert time.monotonic() < deadline, \
+                f"no checkpoint write from step {target} on was caught, and the run did not " \
+                f"end, within {timeout} s"
             # Wake at least every second to notice a run that ended without the write.
             for event in inotify.read(timeout=1000):
                 match = re.fullmatch(r"\.step-(\d{8})\.pt\.tmp", event.name)
@@ -237,9 +267,13 @@ def test_kill_9_while_writing_a_checkpoint(tmp_path, reference_run, reference_we
         pytest.fail("no checkpoint write was caught in 2 runs")
     assert caught["returncode"] == -signal.SIGKILL, f"exit {caught['returncode']}"
     mid_training = caught["logged"] is not None and bool(caught["files"])
-    survived, lost, note, _ = resume_and_check(run_dir, reference_run, reference_weights)
+    survived, lost, note, resumed_from = resume_and_check(run_dir, reference_run,
+                                                          reference_weights)
+    # The newest checkpoint under its final name when frozen, not the one being written.
+    resumed_there = resumed_from == newest_step(caught["files"])
     leftovers = sorted(p.name for p in (run_dir / "checkpoints").glob(".*.tmp"))
-    survived = survived and caught["before_rename"] and mid_training and not leftovers
+    survived = (survived and resumed_there and caught["before_rename"] and mid_training
+                and not leftovers)
     record.trial(survived, lost=bool(lost),
                  note=f"kill -9 while step-{caught['step']:08d}.pt was being written "
                       f"({caught['size']} bytes under its temporary name, still unrenamed after "
@@ -248,7 +282,21 @@ def test_kill_9_while_writing_a_checkpoint(tmp_path, reference_run, reference_we
                       f"temporary files left at the end: {leftovers or 'none'}")
     assert caught["before_rename"], "the checkpoint was renamed before the kill landed"
     assert mid_training, f"the write was not mid-training: {caught}"
+    assert resumed_there, f"resumed from step {resumed_from}, not from the newest checkpoint " \
+                          f"when frozen ({caught['files'][-1]}): {note}"
     assert survived and not lost, note
+
+
+def test_the_waits_for_a_checkpoint_end_at_their_deadline(tmp_path):
+    """A run that never saves a checkpoint (here a process that only sleeps) fails the trial at
+    the deadline: without one, kill_at and kill_during_write wait as long as it lives."""
+    def never_saves(run_dir: Path) -> subprocess.Popen:
+        return subprocess.Popen(["sleep", "600"])
+
+    with pytest.raises(AssertionError, match="neither saved step-00000005.pt nor ended"):
+        kill_at(tmp_path / "kill", 5, 0.5, launch=never_saves, timeout=1)
+    with pytest.raises(AssertionError, match="no checkpoint write from step 5 on was caught"):
+        kill_during_write(tmp_path / "write", 5, launch=never_saves, timeout=1)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
