@@ -1,6 +1,7 @@
-"""What this machine offers, asked in one place each: SLURM's partitions, the GPU driver and the
-W&B login. `labrun doctor`, the SLURM launcher, `labrun queue`, provenance and the W&B logger
-all ask through here, so they agree on the answer and on how it is asked.
+"""What this machine offers, asked in one place each: how to ask SLURM (its slurm.conf, its
+commands' rows), the GPU driver and the W&B login. The SLURM scheduler
+(core/scheduler/slurm.py), `labrun doctor`, provenance and the W&B logger all ask through
+here, so they agree on the answer and on how it is asked.
 
 Nothing here contacts a server other than the SLURM controller, and that only where this
 machine has a slurm.conf (see `slurm_conf`).
@@ -38,14 +39,22 @@ class SlurmError(LabrunError):
         self.kind = kind
 
 
+def slurm_conf_places() -> tuple[str, ...]:
+    """Where the SLURM commands look for slurm.conf: $SLURM_CONF alone when it is set."""
+    return (os.environ["SLURM_CONF"],) if os.environ.get("SLURM_CONF") else SLURM_CONF_PLACES
+
+
 def slurm_conf() -> Path | None:
     """The slurm.conf the SLURM commands would read, or None. Without one they look the
     controller up in DNS (configless mode), which can hang for long on a machine that is no
     SLURM client at all: then labrun does not ask."""
-    if os.environ.get("SLURM_CONF"):
-        path = Path(os.environ["SLURM_CONF"])
-        return path if path.is_file() else None
-    return next((Path(p) for p in SLURM_CONF_PLACES if Path(p).is_file()), None)
+    return next((Path(p) for p in slurm_conf_places() if Path(p).is_file()), None)
+
+
+def is_slurm_client() -> bool:
+    """Whether the SLURM commands may be asked here: a slurm.conf, or a configless cluster
+    whose clients find the controller through DNS alone, which says so."""
+    return slurm_conf() is not None or os.environ.get("LABRUN_SLURM_CONFIGLESS") == "1"
 
 
 def slurm_rows(*args: str, timeout: float = SLURM_TIMEOUT_S) -> list[list[str]]:
@@ -54,8 +63,7 @@ def slurm_rows(*args: str, timeout: float = SLURM_TIMEOUT_S) -> list[list[str]]:
     if shutil.which(command) is None:
         raise SlurmError(f"{command} not found: this machine is not a SLURM submit host",
                          "missing")
-    # A configless cluster whose clients find the controller through DNS alone says so.
-    if slurm_conf() is None and os.environ.get("LABRUN_SLURM_CONFIGLESS") != "1":
+    if not is_slurm_client():
         raise SlurmError(f"no slurm.conf ($SLURM_CONF or {SLURM_CONF_PLACES[0]}): this machine "
                          f"is not set up as a SLURM client (a configless cluster found through "
                          f"DNS: set LABRUN_SLURM_CONFIGLESS=1)", "unconfigured")
@@ -68,42 +76,6 @@ def slurm_rows(*args: str, timeout: float = SLURM_TIMEOUT_S) -> list[list[str]]:
         raise SlurmError(f"{command} failed: {why}", "failed")
     return [[cell.strip() for cell in line.split("|")]
             for line in out.stdout.splitlines() if line.strip()]
-
-
-@dataclass(frozen=True)
-class SlurmNode:
-    """One node of one partition (a node in two partitions appears twice)."""
-
-    partition: str
-    default: bool  # the partition jobs go to when they name none
-    available: str  # the partition's state: up, down, drain, inact
-    state: str  # the node's: idle, mixed, allocated, down...
-    cpus: int
-    mem_mb: int
-    gpus: int
-
-
-def slurm_nodes(timeout: float = SLURM_TIMEOUT_S) -> list[SlurmNode]:
-    """Every node of every partition, from one `sinfo` query."""
-    rows = slurm_rows("sinfo", "-h", "-N", "-o", "%P|%a|%T|%c|%m|%G", timeout=timeout)
-    nodes = []
-    for partition, available, state, cpus, mem, gres in (r[:6] for r in rows if len(r) >= 6):
-        nodes.append(SlurmNode(partition.rstrip("*"), partition.endswith("*"), available, state,
-                               _int(cpus), _int(mem), gpus_in_gres(gres)))
-    return nodes
-
-
-def gpus_in_gres(gres: str) -> int:
-    """GPUs in sinfo's %G: gpu:4, gpu:a100:4 or gpu:a100:4(S:0-1): the count is the last field
-    before "("."""
-    counts = [g.split("(")[0].rsplit(":", 1)[-1] for g in gres.split(",") if g.startswith("gpu")]
-    return sum(int(c) for c in counts if c.isdigit())
-
-
-def _int(text: str) -> int:
-    # sinfo writes e.g. "4+" for a range over nodes; a node-oriented query gives plain numbers.
-    digits = text.rstrip("+")
-    return int(digits) if digits.isdigit() else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +103,25 @@ def gpu_driver_version() -> str | None:
     except pynvml.NVMLError:
         return None
     return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def gpu_count() -> int:
+    """The NVIDIA GPUs this process may use, without torch: CUDA_VISIBLE_DEVICES's entries
+    where it is set, else NVML's count (0 without NVML or a driver)."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return len([d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()])
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:  # no driver
+        return 0
 
 
 def _nvidia_smi_driver() -> str | None:

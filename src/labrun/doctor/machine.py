@@ -10,6 +10,7 @@ from pathlib import Path
 from labrun.core import probes
 from labrun.core.errors import one_line
 from labrun.core.project import PROJECT_DIR
+from labrun.core.scheduler import SlurmScheduler
 from labrun.doctor.report import FAILED, OK, WARNING, Check
 
 LOW_DISK_GIB, MIN_DISK_GIB = 10, 1
@@ -56,7 +57,7 @@ def check_slurm(partition: str | None, partition_from: str) -> list[Check]:
     skipped = Check("slurm partition", WARNING, f"no partition to check ({partition_from})",
                     "pass --partition NAME, or set it in conf/cluster/lab.yaml")
     try:
-        nodes = probes.slurm_nodes(timeout=20)
+        nodes = SlurmScheduler(timeout=20).nodes()
     except probes.SlurmError as error:
         fix, partition_fix = SLURM_FIXES[error.kind]
         detail = ("sinfo not found: SLURM client not installed" if error.kind == "missing"

@@ -25,21 +25,18 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
-from hydra.plugins.launcher import Launcher
-from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict
+from hydra.core.utils import JobStatus, run_job
+from omegaconf import DictConfig, open_dict
 
 from labrun.core.errors import ConfigError
+from labrun.core.scheduler import LocalScheduler
 from labrun.launch import sweep
 from labrun.runs import lock as run_lock
-from labrun.runs.rundir import RunDir
-from labrun.runs.sweepdir import Job, SweepDir, print_table, read_result
+from labrun.runs.sweepdir import Job, read_result
 
 log = logging.getLogger(__name__)
 
@@ -64,25 +61,14 @@ def visible_gpus() -> list[int]:
     return list(range(torch.cuda.device_count()))
 
 
-class LocalLauncher(Launcher):
-    def __init__(self) -> None:
-        self.config: DictConfig | None = None
-        self.hydra_context: HydraContext | None = None
-        self.task_function: TaskFunction | None = None
-
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
-              config: DictConfig) -> None:
-        self.config, self.hydra_context = config, hydra_context
-        self.task_function = task_function
+class LocalLauncher(sweep.SweepLauncher):
+    scheduler = LocalScheduler
+    POLL_S = POLL_S
 
     # -- in the launching process --------------------------------------------------------------
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
-               ) -> Sequence[JobReturn]:
+    def run(self, todo: list[Job], jobs: list[Job], sweep_dir: Path) -> None:
         cluster = self.config.cluster
-        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        folder = SweepDir(sweep_dir)
-        jobs = sweep.plan(self.hydra_context, self.config, job_overrides, initial_job_idx)
         gpus = list(cluster.gpu_ids) if cluster.gpu_ids is not None else visible_gpus()
 
         def needs(job: Job) -> int:  # GPUs of one job: its own trainer.devices (may be swept)
@@ -98,23 +84,29 @@ class LocalLauncher(Launcher):
                  max_parallel, f" on GPUs {gpus}" if gpus else "")
 
         submitit_dir = sweep_dir / ".submitit" / time.strftime("%Y%m%d-%H%M%S")
-        queue = [job for job in jobs if job.state == "pending"]
+        queue = list(todo)
         free, running = list(gpus), {}
+        given: dict[Any, list[int]] = {}  # each running job's GPUs
+
+        def start() -> bool:
+            nonlocal free
+            while queue and len(running) < max_parallel and len(free) >= needs(queue[0]):
+                job = queue.pop(0)
+                mine, free = free[:needs(job)], free[needs(job):]
+                with _ctrl_c_deferred():  # a started job is always in `running`
+                    handle = self._start(job, mine, sweep_dir, submitit_dir)
+                    running[handle], given[handle] = job, mine
+                self.record(sweep_dir, jobs)
+            return bool(queue)
+
+        def on_end(handle: Any, job: Job) -> None:
+            _collect(job, handle)
+            free.extend(given.pop(handle))
+            log.info("job %d %s", job.num, job.state)
+            self.record(sweep_dir, jobs)  # `labrun status` sees it
+
         try:
-            while queue or running:
-                while queue and len(running) < max_parallel and len(free) >= needs(queue[0]):
-                    job = queue.pop(0)
-                    mine, free = free[:needs(job)], free[needs(job):]
-                    with _ctrl_c_deferred():  # a started job is always in `running`
-                        running[self._start(job, mine, sweep_dir, submitit_dir)] = (job, mine)
-                    folder.write_jobs("local", jobs)
-                for handle in [h for h in running if h.done()]:
-                    job, mine = running.pop(handle)
-                    _collect(job, handle)
-                    free.extend(mine)
-                    log.info("job %d %s", job.num, job.state)
-                    folder.write_jobs("local", jobs)  # `labrun status` sees it
-                time.sleep(POLL_S)
+            self.poll(running, lambda handles: [h for h in handles if h.done()], on_end, start)
         except KeyboardInterrupt:
             log.warning("interrupted: stopping %d running jobs (each saves a checkpoint)",
                         len(running))
@@ -123,7 +115,7 @@ class LocalLauncher(Launcher):
                 # (submitit's cancel() sends SIGINT, on which the controller kills the job 1 s
                 # later, too soon for a checkpoint).
                 os.kill(int(handle.job_id), signal.SIGTERM)
-            for handle, (job, _) in running.items():
+            for handle, job in running.items():
                 while not handle.done():
                     time.sleep(POLL_S)
                 _collect(job, handle, stopped=True)
@@ -131,12 +123,8 @@ class LocalLauncher(Launcher):
                 job.state = "cancelled"
             raise
         finally:
-            folder.write_jobs("local", jobs)
-        for job in jobs:
-            if job.state == "skipped":
-                read_result(job)
-        print_table(jobs, f"sweep {sweep_dir}")
-        return [sweep.job_return(job) for job in jobs]
+            self.record(sweep_dir, jobs)
+        return None
 
     def _start(self, job: Job, gpus: list[int], sweep_dir: Path, submitit_dir: Path) -> Any:
         import submitit
@@ -172,8 +160,6 @@ class LocalLauncher(Launcher):
     def __call__(self, config: DictConfig, log_path: str, env: dict[str, str | None],
                  singleton_state: dict[Any, Any]) -> int:
         """Run one job; return its exit code, the one `python train.py` would end with."""
-        import submitit
-
         # A session of its own, as a terminal's Ctrl-C reaches the launcher only, which then
         # stops each job cleanly with SIGTERM. submitit ignores SIGTERM in the job; a job that
         # has not yet started training ends on it, as a plain run would.
@@ -185,25 +171,14 @@ class LocalLauncher(Launcher):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        Singleton.set_state(singleton_state)
-        setup_globals()
-        # A requeued job gets the same pickled config, which the first attempt made read-only.
-        config = copy.deepcopy(config)
-        OmegaConf.set_readonly(config, False)
-        with open_dict(config.hydra):
-            config.hydra.job.id = submitit.JobEnvironment().job_id
+        config = self.job_config(config, singleton_state)
         with _output_to(log_path):
             try:
-                # The job's run folder is taken before run_job writes .hydra/ and its log.
-                held = run_lock.claim(RunDir(sweep.job_dir(config)).lock_path)
+                with self.run_folder_held(config):
+                    return self._run_job(config)
             except run_lock.RunLocked as error:
                 print(f"error: {error}", file=sys.stderr)
                 return EXIT_USER_ERROR
-            try:
-                return self._run_job(config)
-            finally:
-                if held is not None:
-                    held.release()
 
     def _run_job(self, config: DictConfig) -> int:
         try:
@@ -220,13 +195,6 @@ class LocalLauncher(Launcher):
             traceback.print_exception(type(error), error, error.__traceback__)
             return 1
         return 0
-
-    def checkpoint(self, *args: Any) -> Any:
-        """On USR2 (see labrun.train.trainer): requeue the same call; the job resumes from the
-        checkpoint it just saved."""
-        import submitit
-
-        return submitit.helpers.DelayedSubmission(self, *args)
 
 
 def _collect(job: Job, handle: Any, stopped: bool = False) -> None:

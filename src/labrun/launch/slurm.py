@@ -1,6 +1,8 @@
 """cluster=lab / slurm_dev with -m: the sweep as one SLURM job array, through submitit.
 
-Built on hydra-submitit-launcher's SlurmLauncher, with what a lab needs on top:
+The steps every launcher takes (planning, jobs.json, polling, each job's result, the table) are
+sweep.SweepLauncher's; SLURM itself is asked through core/scheduler/slurm.py. On top, what a
+lab needs:
 - every key is read from the `cluster` config (partition, qos, account, cpus, memory, time,
   GPUs and tasks per node, array parallelism, retries, sbatch extras, environment);
 - a request that no node of the partition can ever satisfy fails at submission, in one line;
@@ -15,80 +17,57 @@ Built on hydra-submitit-launcher's SlurmLauncher, with what a lab needs on top:
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import re
 import shlex
 import shutil
-import subprocess
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, run_job, setup_globals
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+from hydra.core.utils import JobReturn, run_job
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from labrun.config import facts
-from labrun.core import probes
+from labrun.core import environment, probes
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.core.project import PROJECT_DIR
+from labrun.core.scheduler import SlurmScheduler
 from labrun.launch import SLURM_COMMENT_PREFIX, sweep
-from labrun.runs import lock as run_lock
-from labrun.runs.rundir import RunDir
-from labrun.runs.sweepdir import Job, SweepDir, print_table, read_result
+from labrun.runs.sweepdir import Job
 
 POLL_S = 2.0
 log = logging.getLogger(__name__)
 
 
-
-class SlurmLauncher(BaseSubmititLauncher):
-    _EXECUTOR = "slurm"
+class SlurmLauncher(sweep.SweepLauncher):
+    scheduler = SlurmScheduler
+    POLL_S = POLL_S
 
     # -- in the job ----------------------------------------------------------------------------
 
     def __call__(self, config: DictConfig, singleton_state: dict[Any, Any]) -> JobReturn:
         """Run one job of the array (every task of it, with tasks_per_node > 1)."""
-        import submitit
-
-        Singleton.set_state(singleton_state)
-        setup_globals()
-        environment = submitit.JobEnvironment()
-        # A requeued job gets the same (pickled) config, which the first run made read-only.
-        config = copy.deepcopy(config)
-        OmegaConf.set_readonly(config, False)
-        with open_dict(config.hydra):
-            config.hydra.job.id = environment.job_id
-            if environment.global_rank != 0:
+        config = self.job_config(config, singleton_state)
+        if environment.read().rank != 0:
+            with open_dict(config.hydra):
                 config.hydra.output_subdir = None  # rank 0 alone writes .hydra/
-        # Rank 0 takes the job's run folder before run_job writes in it; the other tasks wait
-        # for it and end if another process holds the folder (runs/lock.py). A requeued job
-        # (same job id, higher SLURM_RESTART_COUNT) takes it from an attempt still ending.
-        held = run_lock.claim(RunDir(sweep.job_dir(config)).lock_path, environment.global_rank)
-        try:
+        with self.run_folder_held(config):
             return run_job(hydra_context=self.hydra_context, task_function=self.task_function,
                            config=config, job_dir_key="hydra.sweep.dir",
                            job_subdir_key="hydra.sweep.subdir")
-        finally:
-            if held is not None:
-                held.release()
 
     # -- in the submitting process -------------------------------------------------------------
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
-               ) -> Sequence[JobReturn]:
+    def run(self, todo: list[Job], jobs: list[Job], sweep_dir: Path
+            ) -> list[JobReturn] | None:
         import submitit
 
-        cluster = self.config.cluster
-        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        jobs = sweep.plan(self.hydra_context, self.config, job_overrides, initial_job_idx)
-        todo = [job for job in jobs if job.state == "pending"]
         if not todo:
-            return self._finish(jobs, sweep_dir)
+            return None
+        cluster = self.config.cluster
         stamp = time.strftime("%Y%m%d-%H%M%S")
         snapshot = sweep_dir / ".code" / stamp if cluster.snapshot else None
         # One array per distinct resource request: a sweep over trainer.devices, say, asks
@@ -114,23 +93,26 @@ class SlurmLauncher(BaseSubmititLauncher):
         for job, handle in zip(todo, submitted, strict=True):
             job.state, job.job_id, job.log = "submitted", handle.job_id, str(handle.paths.stdout)
             log.info("job %d: SLURM %s  log %s", job.num, handle.job_id, handle.paths.stdout)
-        SweepDir(sweep_dir).write_jobs("slurm", jobs, snapshot=str(snapshot or ""))
+        self.record(sweep_dir, jobs, snapshot=str(snapshot or ""))
         if cluster.detach:
             log.info("detached: %d jobs submitted; see their state with: labrun status %s",
                      len(todo), sweep_dir)
             return [sweep.job_return(job) if job.state == "skipped" else
                     _detached_return(job) for job in jobs]
         self._wait(todo, submitted)
-        return self._finish(jobs, sweep_dir)
+        return None
 
     def _wait(self, jobs: list[Job], handles: list[Any]) -> None:
+        def ended(running: list[Any]) -> list[Any]:
+            return [handle for handle in running if handle.done(force_check=True)
+                    and not requeued_after_node_failure(handle)]
+
+        def on_end(handle: Any, job: Job) -> None:
+            job.state = "running"  # ended; read_result() tells how, from the job's own files
+            job.error = failure_reason(handle)
+
         try:
-            pending = dict(zip([j.num for j in jobs], handles, strict=True))
-            while pending:
-                for num, handle in list(pending.items()):
-                    if handle.done(force_check=True) and not requeued_after_node_failure(handle):
-                        del pending[num]
-                time.sleep(POLL_S)
+            self.poll(dict(zip(handles, jobs, strict=True)), ended, on_end)
         except KeyboardInterrupt:
             ids = [h.job_id for h in handles]
             log.warning("interrupted: cancelling the sweep's %d jobs (%s)", len(ids),
@@ -140,31 +122,21 @@ class SlurmLauncher(BaseSubmititLauncher):
             for job in jobs:
                 job.state = "cancelled"
             raise
-        for job, handle in zip(jobs, handles, strict=True):
-            job.state = "running"  # ended; read_result() tells how, from the job's own files
-            job.error = failure_reason(handle)
-
-    def _finish(self, jobs: list[Job], sweep_dir: Path) -> list[JobReturn]:
-        for job in jobs:
-            read_result(job)
-        SweepDir(sweep_dir).write_jobs("slurm", jobs)
-        print_table(jobs, f"sweep {sweep_dir}")
-        return [sweep.job_return(job) for job in jobs]
 
 
 def requeued_after_node_failure(handle: Any) -> bool:
     """True for a job whose node failed and that SLURM has requeued. For a few seconds sacct,
-    where submitit reads states, still shows NODE_FAIL, which submitit takes as the end;
-    squeue, the controller's own view, already shows the requeued job pending."""
+    where submitit reads states, still shows NODE_FAIL, which submitit takes as the end; the
+    controller's own view (the scheduler's job_states) already shows the requeued job
+    pending."""
     if handle.state != "NODE_FAIL":
         return False
+    job_id = str(handle.job_id)
     try:
-        # 30 s: squeue waits out SLURM's 10 s message timeout once or twice when busy.
-        out = subprocess.run(["squeue", "-h", "-j", str(handle.job_id), "-o", "%T"],
-                             capture_output=True, text=True, timeout=30)
-    except (subprocess.SubprocessError, OSError):
+        state = SlurmScheduler().job_states([job_id]).get(job_id, "")
+    except probes.SlurmError:
         return True  # cannot tell now: keep waiting, and ask again at the next poll
-    return out.stdout.strip() in ("PENDING", "REQUEUED", "CONFIGURING", "RUNNING")
+    return state in ("PENDING", "REQUEUED", "CONFIGURING", "RUNNING")
 
 
 def failure_reason(handle: Any) -> str | None:
@@ -268,25 +240,18 @@ class code_snapshot:  # noqa: N801 - used as a context manager, like submitit's 
 def partition_limits(partition: str | None) -> dict[str, int]:
     """The largest node of `partition` (the default one when None): cpus, mem_mb, gpus."""
     try:
-        nodes = probes.slurm_nodes()
+        largest, default = SlurmScheduler().partitions()
     except probes.SlurmError as error:
         if error.kind in ("missing", "unconfigured"):
             raise LabrunError(f"{error}; use cluster=local, or submit from a login node"
                               ) from None
         raise LabrunError(f"{error}; is the SLURM controller up?") from None
-    by_partition: dict[str, list[probes.SlurmNode]] = {}
-    default = None
-    for node in nodes:
-        by_partition.setdefault(node.partition, []).append(node)
-        if node.default:
-            default = node.partition
     wanted = partition or default
-    if wanted not in by_partition:
+    if wanted not in largest:
         raise ConfigError(f"cluster.partition={wanted} does not exist; partitions: "
-                          f"{', '.join(sorted(by_partition)) or 'none'}")
-    members = by_partition[wanted]
-    return {"partition": wanted, "cpus": max(n.cpus for n in members),
-            "mem_mb": max(n.mem_mb for n in members), "gpus": max(n.gpus for n in members)}
+                          f"{', '.join(sorted(largest)) or 'none'}")
+    node = largest[wanted]
+    return {"partition": wanted, "cpus": node.cpus, "mem_mb": node.mem_mb, "gpus": node.gpus}
 
 
 def check_resources(cluster: DictConfig) -> None:

@@ -17,8 +17,8 @@ reused PID is not taken for the holder), SLURM job id and restart count, the lau
 wall-clock start, and the token. A second process is refused in one line naming the holder.
 A lock is taken over, with one line saying why, when it is stale:
   - same host: the PID is gone, a zombie (exited, not yet reaped), or another process now;
-  - the holder's SLURM job no longer runs (asked with squeue through labrun.core.probes; where
-    SLURM cannot be asked, this is unknown and the heartbeat decides);
+  - the holder's SLURM job no longer runs (asked through labrun.core.scheduler; where SLURM
+    cannot be asked, this is unknown and the heartbeat decides);
   - another host and no SLURM answer: the heartbeat (the lock file's mtime, touched every
     HEARTBEAT_S by a thread of the holder) is older than STALE_AFTER_S;
   - or it is displaced: a requeued SLURM job keeps its job id, so the same job id with a higher
@@ -96,8 +96,9 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from labrun.core import probes
+from labrun.core import environment
 from labrun.core.errors import LabrunError
+from labrun.core.scheduler import ACTIVE_STATES, SlurmScheduler
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +110,8 @@ STALE_AFTER_S = 600.0
 # A rank other than 0 waits this long for its rank 0 to take the lock (its start-up and a
 # take-over fit in it with room).
 FOLLOW_TIMEOUT_S = 300
-# SLURM states in which a job's processes may still be running.
-SLURM_ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING",
-                "RESIZING", "STAGE_OUT"}
+# The states in which a job's processes may still be running (core.scheduler's).
+SLURM_ACTIVE = ACTIVE_STATES
 # Rounds of acquire's loop: each looks at the lock once and either takes it, refuses, or waits
 # out another claimant's take-over or an unreadable lock; with the back-off below, about 10 s.
 TAKE_TRIES = 20
@@ -168,21 +168,15 @@ def _pid_start(pid: int) -> int | None:
 
 
 def launch_id() -> str | None:
-    """What the processes of one launch share: SLURM's job id and restart count, or torchrun's
-    rendezvous; None for a process started alone."""
-    env = os.environ
-    if env.get("SLURM_JOB_ID"):
-        return f"slurm:{env['SLURM_JOB_ID']}:{env.get('SLURM_RESTART_COUNT', '0')}"
-    if env.get("TORCHELASTIC_RUN_ID") and env.get("MASTER_PORT"):
-        return (f"torchrun:{env['TORCHELASTIC_RUN_ID']}:{env.get('MASTER_ADDR', '')}:"
-                f"{env['MASTER_PORT']}")
-    return None
+    """What the processes of one launch share: the scheduler's job id and restart count, or
+    torchrun's rendezvous; None for a process started alone (core.environment)."""
+    return environment.read().launch_id
 
 
 def me() -> Holder:
+    here = environment.read()
     return Holder(host=socket.gethostname(), pid=os.getpid(), pid_start=_pid_start(os.getpid()),
-                  job_id=os.environ.get("SLURM_JOB_ID") or None,
-                  restart=int(os.environ.get("SLURM_RESTART_COUNT") or 0), launch=launch_id(),
+                  job_id=here.job_id, restart=here.restart_count, launch=here.launch_id,
                   started_at=time.time(), token=secrets.token_hex(8))
 
 
@@ -238,14 +232,9 @@ def _backoff(attempt: int, cap: float) -> float:
 
 
 def slurm_job_active(job_id: str) -> bool | None:
-    """Whether SLURM job `job_id` may still have processes running; None: SLURM cannot tell."""
-    try:
-        rows = probes.slurm_rows("squeue", "-h", "-j", job_id, "-o", "%T", timeout=15)
-    except probes.SlurmError as error:
-        if error.kind == "failed" and "invalid job id" in str(error).lower():
-            return False  # ended long enough ago that the controller forgot it
-        return None
-    return bool(rows) and rows[0][0] in SLURM_ACTIVE
+    """Whether SLURM job `job_id` may still have processes running; None: SLURM cannot tell.
+    (15 s at most: judging a lock waits no longer for the controller.)"""
+    return SlurmScheduler(timeout=15).job_alive(job_id)
 
 
 def stale_reason(holder: Holder, path: str | Path, mine: Holder) -> str | None:
@@ -525,14 +514,9 @@ def follow(path: str | Path, timeout: float = FOLLOW_TIMEOUT_S) -> None:
 
 
 def global_rank() -> int:
-    """This process's global rank as torchrun or srun set it (train.distributed reads the same
-    variables; this room cannot import it, and it needs torch)."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"])
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return int(env["SLURM_PROCID"])
-    return 0
+    """This process's global rank as torchrun or srun set it (core.environment, as
+    train.distributed reads it)."""
+    return environment.read().rank
 
 
 def claim(path: str | Path, rank: int | None = None) -> RunLock | None:

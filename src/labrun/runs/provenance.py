@@ -3,11 +3,13 @@
     git.json          commit, branch, dirty flag of the working tree
     git.diff          the uncommitted changes (tracked files), when the tree is dirty
     packages.txt      installed distributions, `name==version`, read with importlib.metadata
-    environment.json  python, torch, CUDA, cuDNN, NCCL, GPUs and driver, host, SLURM ids
+    environment.json  python, torch, CUDA, cuDNN, NCCL, GPUs and driver, host, container,
+                      the scheduler's ids (core.environment)
     command.json      the exact command line, working directory and Hydra overrides
 
 Secrets never land here: command-line values of keys that look like credentials are redacted,
-and no environment variable is recorded except SLURM's ids.
+and no environment variable is recorded except the scheduler's ids (SLURM's job, array and
+task ids, node list and task count).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from labrun.core import environment as where
 from labrun.core import probes
 from labrun.core.secrets import redact
 
@@ -61,6 +64,7 @@ def environment() -> dict[str, Any]:
     import torch
 
     cuda = torch.cuda.is_available()
+    here = where.read()
     env = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -73,9 +77,10 @@ def environment() -> dict[str, Any]:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "driver": probes.gpu_driver_version() if cuda else None,
-        "slurm": {k: v for k, v in os.environ.items()
-                  if k in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
-                           "SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_NTASKS")},
+        "container": here.container,
+        # Under the scheduler's own names (SLURM_JOB_ID...); the key keeps the name it had
+        # when SLURM was the only scheduler, for whoever reads these files.
+        "slurm": dict(here.scheduler_variables),
     }
     return env
 
@@ -94,5 +99,5 @@ def write(folder: Path, overrides: list[str], project_dir: Path) -> dict[str, An
                "cwd": os.getcwd(), "overrides": [redact(o) for o in overrides]}
     (folder / COMMAND).write_text(json.dumps(command, indent=2) + "\n")
     return {"git_commit": git["commit"], "git_dirty": git["dirty"], "host": env["hostname"],
-            "slurm_job_id": env["slurm"].get("SLURM_JOB_ID"), "torch": env["torch"],
+            "slurm_job_id": where.read().job_id, "torch": env["torch"],
             "cuda": env["cuda"]}

@@ -2,20 +2,20 @@
 folder: its state, its metric and how well it uses its hardware, now.
 
 Works for detached SLURM sweeps (`cluster.detach=true`) and for local ones: the job list comes
-from the sweep's jobs.json, the state from each job's own summary.json, and, for SLURM jobs
-that have not written a result yet, from sacct. The figures (images/s, data-wait fraction, GPU
+from the sweep's jobs.json, the state from each job's own summary.json, and, for jobs that
+have not written a result yet, from the sweep's scheduler (core/scheduler: one query for all of
+them). The figures (images/s, data-wait fraction, GPU
 utilisation) and the verdict with its fix come from each run folder (runs/efficiency.py).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labrun.core import scheduler
 from labrun.core.errors import LabrunError
 from labrun.runs.efficiency import Efficiency, measure
 from labrun.runs.rundir import RunDir
@@ -48,36 +48,37 @@ class Status:
                 "jobs": jobs}
 
 
-def slurm_states(job_ids: list[str]) -> dict[str, str]:
-    """SLURM's state of each job id (array elements as 12_3), from sacct."""
-    if not job_ids or shutil.which("sacct") is None:
+def scheduler_states(manifest: dict[str, Any], job_ids: list[str]) -> dict[str, str]:
+    """The state of each job id (array elements as 12_3), lower-case, from the scheduler that
+    jobs.json names; {} where it cannot be asked (this machine is no client of it, or its
+    controller is down)."""
+    try:
+        states = scheduler.named(manifest["backend"], manifest.get("scheduler")
+                                 ).job_states(job_ids)
+    except LabrunError:
         return {}
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
-                         capture_output=True, text=True, timeout=60)
-    states = {}
-    for line in out.stdout.splitlines():
-        job_id, _, state = line.partition("|")
-        states[job_id] = state.split()[0] if state else "UNKNOWN"
-    return states
+    return {job_id: state.lower() for job_id, state in states.items()}
 
 
 def sweep_jobs(sweep_dir: Path) -> tuple[list[Job], str]:
     """The sweep's jobs with their state now, and the sweep's backend."""
     manifest = SweepDir(sweep_dir).read_jobs()
     jobs = manifest["jobs"]
-    scheduler = {}
-    if manifest["backend"] == "slurm":
-        scheduler = slurm_states([job.job_id for job in jobs if job.job_id])
+    summaries = {job.num: job.run_dir.read_summary() for job in jobs}
+    # Only jobs without a result are asked about: a finished sweep costs no query.
+    unfinished = [job.job_id for job in jobs
+                  if job.job_id and summaries[job.num].get("status") not in ENDED]
+    states = scheduler_states(manifest, unfinished) if unfinished else {}
     for job in jobs:
-        summary = job.run_dir.read_summary()
-        slurm = scheduler.get(job.job_id or "", "").lower()
+        summary = summaries[job.num]
+        state = states.get(job.job_id or "", "")
         if summary.get("status") in ENDED:  # pruned included: an Optuna search stopped it
             read_result(job)
-        elif summary.get("status") == "running" and slurm in ("", "running", "requeued"):
-            job.state = "running"  # its summary says so, and SLURM does not contradict it
+        elif summary.get("status") == "running" and state in ("", "running", "requeued"):
+            job.state = "running"  # its summary says so, and the scheduler does not contradict it
             job.metric = summary.get(f"best/{summary.get('monitor', 'val/acc')}")
-        elif slurm:
-            job.state = slurm  # pending, or ended without a result (failed, cancelled, timeout)
+        elif state:
+            job.state = state  # pending, or ended without a result (failed, cancelled, timeout)
         if summary.get("requeued"):  # preempted or its node failed, then resumed
             job.state = f"{job.state} (requeued {summary['requeued']}x)"
     return jobs, manifest["backend"]

@@ -21,7 +21,6 @@ import getpass
 import ipaddress
 import logging
 import os
-import re
 import shutil
 import socket
 import threading
@@ -34,7 +33,12 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, start_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from labrun.core import environment, scheduler
 from labrun.core.errors import ConfigError
+from labrun.core.scheduler.slurm import (  # noqa: F401 - controller_address: as it was
+    SlurmScheduler,
+    controller_address,
+)
 from labrun.runs.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -349,15 +353,9 @@ def _serve(address: str, port: int, registry: CollectorRegistry):
 # Where to listen: monitor.bind=node
 
 
-SLURM_CONF = "/etc/slurm/slurm.conf"
-# Any port: connect() on a UDP socket only picks the route and the source address; it sends
-# nothing.
-PROBE_PORT = 6817
-
-
 def listen_address(bind: str) -> str:
-    """The address to listen on: `bind` itself, or for "node" this node's address towards the
-    SLURM controller (127.0.0.1, with one warning, where there is none)."""
+    """The address to listen on: `bind` itself, or for "node" this node's address towards its
+    scheduler's controller (127.0.0.1, with one warning, where there is none)."""
     if bind != "node":
         return bind
     address, why = node_address()
@@ -369,56 +367,13 @@ def listen_address(bind: str) -> str:
 
 
 def node_address(slurm_conf: str | Path | None = None) -> tuple[str | None, str]:
-    """(the address of this node's interface that routes to the SLURM controller, "") or
-    (None, why there is none). The lab's Prometheus reaches compute nodes the way the
-    controller does; the kernel's route to the controller names that interface. The controller
-    comes from slurm.conf ($SLURM_CONF, else /etc/slurm/slurm.conf)."""
-    path = Path(slurm_conf or os.environ.get("SLURM_CONF") or SLURM_CONF)
-    try:
-        text = path.read_text()
-    except OSError:
-        return None, f"no SLURM configuration at {path}"
-    controller = controller_address(text)
-    if controller is None:
-        return None, f"{path} names no SLURM controller (SlurmctldHost)"
-    try:
-        ip = ipaddress.ip_address(controller)
-    except ValueError:
-        # slurm.conf names the controller without its address: look the name up as slurmd does
-        # (the controller's name only, never a compute node's).
-        try:
-            ip = ipaddress.ip_address(socket.getaddrinfo(controller, None)[0][4][0])
-        except (OSError, IndexError) as error:
-            return None, f"cannot resolve the SLURM controller {controller} ({error})"
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((str(ip), PROBE_PORT))
-            return probe.getsockname()[0], ""
-    except OSError as error:
-        return None, f"no route to the SLURM controller {ip} ({error.strerror})"
-
-
-def controller_address(slurm_conf_text: str) -> str | None:
-    """The primary controller's address as slurm.conf gives it (SlurmctldAddr, the address in
-    SlurmctldHost=name(address), or the name), None when it names none. slurm.conf's keys are
-    case-insensitive; ControlMachine/ControlAddr are their names before Slurm 18.08. A plain
-    regular expression: no library parses slurm.conf, and these keys are one line each."""
-    values: dict[str, str] = {}
-    for line in slurm_conf_text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        match = re.fullmatch(r"(\w+)\s*=\s*(\S+)", line)
-        if match and match[1].lower() not in values:  # the first SlurmctldHost: the primary
-            values[match[1].lower()] = match[2]
-    if "slurmctldaddr" in values:
-        return values["slurmctldaddr"]
-    if "controladdr" in values:
-        return values["controladdr"]
-    host = values.get("slurmctldhost") or values.get("controlmachine")
-    if host is None:
-        return None
-    named = re.fullmatch(r"([^(]+)\(([^)]+)\)", host)
-    return named[2] if named else host
+    """(the address of this node's interface that routes to the controller, "") or (None, why
+    there is none). The lab's Prometheus reaches compute nodes the way the controller does.
+    The scheduler asked is this process's (core.scheduler.here); with `slurm_conf`, SLURM's
+    controller of that file."""
+    if slurm_conf is not None:
+        return SlurmScheduler(slurm_conf=slurm_conf).node_address()
+    return scheduler.here().node_address()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,8 +398,6 @@ def _user() -> str:
 
 
 def slurm_job_id() -> str:
-    """SLURM's id of this job as squeue shows it: ARRAYJOB_TASK for an array task."""
-    env = os.environ
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env.get("SLURM_JOB_ID", "")
+    """The scheduler's id of this job as its queue shows it (ARRAYJOB_TASK for an array task),
+    "" outside a job; the label keeps its name from when SLURM was the only scheduler."""
+    return environment.read().queue_id

@@ -1,8 +1,9 @@
 """Process-group set-up and rank helpers.
 
-One process per GPU. The rank and world size come from torchrun's variables (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR/PORT) or from SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the
-first host of SLURM_JOB_NODELIST as master). A single process needs no process group.
+One process per GPU. The rank, world size and rendezvous come from core.environment, which
+reads torchrun's variables and those of the scheduler that started the job (srun's tasks on
+SLURM; the first host of the job as the rendezvous where nobody set MASTER_ADDR). A single
+process needs no process group.
 
 Not submitit's TorchDistributedEnvironment: it works only inside a submitit job (it reads
 SUBMITIT_FOLDER), while labrun's ranks also start under torchrun, plain `srun python train.py`
@@ -16,7 +17,6 @@ import datetime
 import multiprocessing
 import os
 import signal
-import subprocess
 import threading
 from dataclasses import dataclass
 
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from labrun.core import environment
 from labrun.core.errors import ConfigError
 
 
@@ -62,48 +63,20 @@ def pick_device(accelerator: str, local_rank: int) -> torch.device:
     return torch.device(accelerator)
 
 
-def _from_environment() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) of this process, set by torchrun or SLURM."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"])
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"])
-    return 0, 0, 1
-
-
-def _master_address() -> str:
-    if "MASTER_ADDR" in os.environ:
-        return os.environ["MASTER_ADDR"]
-    nodelist = os.environ.get("SLURM_JOB_NODELIST")
-    if nodelist:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist],
-                             capture_output=True, text=True, check=True)
-        return out.stdout.split()[0]
-    return "127.0.0.1"
-
-
-def _master_port() -> str:
-    """Derived from the job id, so two jobs on one node never pick the same port."""
-    if "MASTER_PORT" in os.environ:
-        return os.environ["MASTER_PORT"]
-    job_id = os.environ.get("SLURM_JOB_ID", "0")
-    return str(20000 + int(job_id) % 20000)
-
-
 def setup(trainer: DictConfig, settings: DictConfig) -> Distributed:
     """This process's rank and device; the process group when there are several ranks.
     `settings` is the `distributed` config (backend, timeout_s)."""
     backend, timeout_s = settings.backend, settings.timeout_s
-    rank, local_rank, world_size = _from_environment()
+    here = environment.read()
+    rank, local_rank, world_size = here.rank, here.local_rank, here.world_size
     device = pick_device(trainer.accelerator, local_rank)
     if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: the processes of one node share its cores instead of each
         # starting a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, trainer.devices)))
     if world_size > 1 and not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", _master_address())
-        os.environ.setdefault("MASTER_PORT", _master_port())
+        for name, value in here.rendezvous().items():  # for init_process_group's env://
+            os.environ.setdefault(name, value)
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world_size,
@@ -114,7 +87,7 @@ def setup(trainer: DictConfig, settings: DictConfig) -> Distributed:
 def launched_as_one_process(trainer: DictConfig) -> bool:
     """True when `python train.py trainer.devices=N` must start its N processes itself
     (no torchrun, SLURM or submitit set up the ranks)."""
-    return trainer.devices > 1 and _from_environment()[2] == 1
+    return trainer.devices > 1 and environment.read().world_size == 1
 
 
 def run_processes(nprocs: int, function, *args):

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from labrun import data, models
 from labrun.config import facts, validation
+from labrun.core import environment
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.core.project import PROJECT_DIR
 from labrun.runs import lock as run_lock
@@ -178,14 +179,13 @@ def start_monitoring(cfg: DictConfig, dist: distributed.Distributed, folder: Run
 
 
 def node_rank(dist: distributed.Distributed, devices: int) -> int:
-    """Which node of the run this process is on: torchrun's GROUP_RANK, SLURM's SLURM_NODEID,
-    else the rank over the processes per node (ranks are numbered node by node)."""
+    """Which node of the run this process is on: as torchrun or the scheduler says
+    (core.environment), else the rank over the processes per node (ranks are numbered node
+    by node)."""
     if dist.world_size == 1:
         return 0
-    for name in ("GROUP_RANK", "SLURM_NODEID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return dist.rank // max(1, devices)
+    said = environment.read().node_rank
+    return said if said is not None else dist.rank // max(1, devices)
 
 
 def cuda_uuids(devices: int) -> list[str]:

@@ -17,7 +17,6 @@ loss and metrics (the `task` config group) and the callbacks (the `callbacks` gr
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import labrun
+from labrun.core import environment
 from labrun.core.errors import LabrunError, one_line
 from labrun.data import Data
 from labrun.data.transforms import BatchNormalizer
@@ -132,9 +132,9 @@ class Trainer:
         self.folder.update_summary(status="running", error=None, epoch=self.epoch, step=self.step,
                                    monitor=monitor, ended_at=None,
                                    started_at=self.folder.summary.get("started_at") or time.time(),
-                                   # SLURM's count of this job's requeues (preemption, node
-                                   # failure), for `labrun status`.
-                                   requeued=int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+                                   # The scheduler's count of this job's requeues
+                                   # (preemption, node failure), for `labrun status`.
+                                   requeued=environment.read().restart_count)
         status, error = "failed", None
         try:
             while self.epoch < trainer.max_epochs and self.stop_reason is None:
