@@ -15,22 +15,12 @@ import pytest
 
 # The cluster's own check: without a cluster these tests fail, they never skip silently.
 from test_cluster_slurm import slurm  # noqa: F401
+from test_run_lock import no_inherited_lock  # noqa: F401 - autouse: holds nothing, no SLURM job
 
 from labrun.runs import lock
 from labrun.runs.rundir import RunDir
 
 pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(autouse=True)
-def not_in_a_job(monkeypatch):
-    """This process holds nothing and is no SLURM job (the requeue rule compares job ids)."""
-    monkeypatch.delenv(lock.TOKEN_ENV, raising=False)
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    yield
-    for held in list(lock._held.values()):
-        held.release()
 
 
 def job_state(job_id: str) -> str:

@@ -1,7 +1,9 @@
 """Two tests that record fault trials, for tests/faults/test_fault_table.py, which runs this
 file in a child pytest on two xdist workers. Not collected by the suite: its name does not
 start with test_. Each test is a group of its own (SPREAD_OVER_WORKERS), so the two run on
-different workers and the table must add up rows from both."""
+different workers and the table must add up rows from both. The trials' outcomes are this
+sample's input, chosen so that every column of the table gets a different sum; what is
+checked is the table test_fault_table.py reads back from the child pytest."""
 
 SPREAD_OVER_WORKERS = True
 
