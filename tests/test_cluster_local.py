@@ -51,7 +51,7 @@ def test_four_jobs_two_at_a_time_on_distinct_gpus(tmp_path):
     result = sweep(tmp_path, "optimizer.lr=0.001,0.002,0.003,0.004", "cluster.max_parallel=2",
                    "cluster.gpu_ids=[0,1,2,3]", "trainer.devices=1")
     assert result.returncode == 0, result.stderr
-    assert f"sweep: 4 jobs in {tmp_path.resolve()}, at most 2 at once on GPUs [0, 1, 2, 3]" \
+    assert f"sweep in {tmp_path.resolve()}: at most 2 jobs at once on GPUs [0, 1, 2, 3]" \
         in result.stdout
     rows = job_rows(tmp_path)
     assert [row["num"] for row in rows] == [0, 1, 2, 3]

@@ -1,10 +1,14 @@
 """Sweeps on a real SLURM cluster (scripts/slurm_up.sh; cluster=slurm_dev uses its CPU
-partition dev, with slurmdbd accounting) through submitit: job arrays, DDP with two tasks, preemption and requeue,
-cancelling on Ctrl-C, detached submission, and requests no node can satisfy."""
+partition dev, with slurmdbd accounting) through submitit: job arrays, DDP with two tasks,
+preemption and requeue, cancelling on Ctrl-C and with `labrun cancel`, detached submission, a
+sweep that outlives its terminal (SIGHUP) and is attached to, an Optuna study with its trials
+in flight, and requests no node can satisfy."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -215,30 +219,139 @@ def test_a_request_no_node_can_satisfy_fails_at_submission(tmp_path):
     assert not (tmp_path / "jobs.json").exists()
 
 
-def test_an_optuna_study_of_six_trials_three_at_a_time_as_arrays(tmp_path):
-    # hparams_search=optuna on SLURM: two batches of three trials, each batch one job array,
-    # every trial reporting to the study's journal file in the sweep folder from its node.
+def sweep_jobs_since(start: str) -> set[str]:
+    """The ids of every job (array elements as ARRAY_TASK) accounting has seen since `start`
+    (sacct's time, YYYY-MM-DDTHH:MM:SS): the SLURM tests run one at a time, on one worker."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", start],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return set(out.split())
+
+
+def holder_pid(run_dir: Path) -> int:
+    """The process training in `run_dir` (its lock's holder), on its node: the test nodes share
+    this machine's process ids (a network, host-name and mount namespace each)."""
+    return json.loads((run_dir / ".lock").read_text())["pid"]
+
+
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not (path.is_file() and text in path.read_text(errors="replace")):
+        assert proc.poll() is None and time.time() < deadline, path.read_text(errors="replace")
+        time.sleep(0.2)
+
+
+def test_a_sweep_outlives_sighup_and_the_same_command_attaches_without_submitting(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = sweep_args(sweep_dir, "trainer.max_epochs=2", "trainer.limit_train_batches=3",
+                      "trainer.limit_val_batches=2", "optimizer.lr=0.1,0.2")
+    start = time.strftime("%Y-%m-%dT%H:%M:%S")
+    # Output to a file, the launcher in a session of its own: a terminal's process group.
+    first = tmp_path / "first.log"
+    with open(first, "w") as out:
+        launcher = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    # Submission, then both jobs' start-up: under a minute loaded, 3x that (180 s).
+    for num in ("0", "1"):
+        wait_for(sweep_dir / num / "metrics.jsonl", launcher, timeout=180)
+    submitted = sweep_jobs_since(start)
+    rows = manifest(sweep_dir)["jobs"]
+    assert {row["job_id"] for row in rows} <= submitted and len(submitted) == 2
+    # Both jobs held still (SIGSTOP; SLURM still runs them) until the second launch has
+    # attached: a job that ended meanwhile would only be skipped as completed.
+    jobs = [holder_pid(sweep_dir / num) for num in ("0", "1")]
+    for pid in jobs:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        os.killpg(launcher.pid, signal.SIGHUP)  # the terminal is gone
+        assert launcher.wait(timeout=60) == -signal.SIGHUP
+        status = subprocess.run([LABRUN, "status", str(sweep_dir), "--json"],
+                                capture_output=True, text=True, timeout=120)
+        assert [job["state"] for job in json.loads(status.stdout)["jobs"]] == ["running"] * 2
+        # `labrun status --wait` follows the sweep from another terminal, the same command
+        # attaches to its jobs (start-up: seconds; 300 s: a hang).
+        waiter = subprocess.Popen([LABRUN, "status", str(sweep_dir), "--wait"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        second = tmp_path / "second.log"
+        with open(second, "w") as out:
+            again = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT)
+        ids = ", ".join(f"{row['num']} ({row['job_id']})" for row in rows)
+        wait_for_text(second, f"attached to 2 jobs an earlier launch started that still run: "
+                      f"{ids}", again, timeout=300)
+    finally:
+        for pid in jobs:
+            os.kill(pid, signal.SIGCONT)
+    # Two tiny jobs finish: a minute at most loaded; 300 s: a hang.
+    assert again.wait(timeout=300) == 0, second.read_text()
+    output, _ = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, output
+    assert output.count("completed") == 2, output
+    assert sweep_jobs_since(start) == submitted  # nothing was submitted a second time
+    after = manifest(sweep_dir)["jobs"]
+    assert [(row["job_id"], row["state"], row["attempts"]) for row in after] == [
+        (row["job_id"], "completed", []) for row in rows]
+    assert second.read_text().count("completed") >= 2
+
+
+def test_cancel_stops_a_detached_sweeps_jobs_from_any_terminal_and_records_it(tmp_path):
+    # Held jobs: they wait in the queue, costing nothing, until cancelled.
+    result = run_sweep(tmp_path, "cluster.detach=true", "+cluster.extra_sbatch.hold=true",
+                       "optimizer.lr=0.1,0.2")
+    assert result.returncode == 0, result.stderr
+    rows = manifest(tmp_path)["jobs"]
+    assert [row["state"] for row in rows] == ["submitted"] * 2
+    cancel = subprocess.run([LABRUN, "cancel", str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    assert cancel.returncode == 0, cancel.stderr
+    assert cancel.stdout.strip() == f"cancelled 2 jobs of {tmp_path}: 0, 1"
+    for row in manifest(tmp_path)["jobs"]:
+        assert row["state"] == "cancelled" and row["cancelled_at"] is not None
+        # Elements of an array that never started: accounting keeps one row, the array's.
+        assert sacct_state(row["job_id"].split("_")[0]).startswith("CANCELLED")
+    status = subprocess.run([LABRUN, "status", str(tmp_path), "--wait"], capture_output=True,
+                            text=True, timeout=120)
+    assert status.returncode == 1  # the sweep has ended, not every job completed
+    assert status.stdout.count("cancelled") == 2, status.stdout
+    # Running the command again submits the cancelled jobs again, each keeping its history.
+    again = run_sweep(tmp_path, "cluster.detach=true", "+cluster.extra_sbatch.hold=true",
+                      "optimizer.lr=0.1,0.2")
+    assert again.returncode == 0, again.stderr
+    for old, row in zip(rows, manifest(tmp_path)["jobs"], strict=True):
+        assert row["job_id"] != old["job_id"]
+        assert [(a["job_id"], a["state"]) for a in row["attempts"]] == [(old["job_id"],
+                                                                          "cancelled")]
+    subprocess.run([LABRUN, "cancel", str(tmp_path)], capture_output=True, timeout=120)
+
+
+def test_an_optuna_study_keeps_n_jobs_trials_in_flight_each_its_own_job(tmp_path):
+    # hparams_search=optuna on SLURM: four trials, two in flight, each trial one SLURM job
+    # submitted as the study asks for it, every trial reporting to the study's journal file in
+    # the sweep folder from its node.
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    result = run_sweep(tmp_path, "hparams_search=optuna", "hydra.sweeper.n_trials=6",
-                       "hydra.sweeper.n_jobs=3", "cluster.array_parallelism=3",
-                       "trainer.max_epochs=2", "trainer.limit_train_batches=3",
-                       "trainer.limit_val_batches=2", timeout=600)  # two batches of the above
+    result = run_sweep(tmp_path, "hparams_search=optuna", "hydra.sweeper.n_trials=4",
+                       "hydra.sweeper.n_jobs=2", "trainer.max_epochs=2",
+                       "trainer.limit_train_batches=3", "trainer.limit_val_batches=2",
+                       timeout=600)  # four tiny trials, two at a time
     assert result.returncode == 0, result.stdout + result.stderr
     storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
     trials = optuna.load_study(study_name="train", storage=storage).trials
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    assert [t.number for t in trials] == list(range(6))
+    assert [t.number for t in trials] == list(range(4))
     assert all(t.state in finished for t in trials)
     # Every trial reported each epoch from its SLURM job (the pruner needs them).
     assert all(sorted(t.intermediate_values) == [1, 2] for t in trials
                if t.state == optuna.trial.TrialState.COMPLETE)
     rows = manifest(tmp_path)["jobs"]
-    assert [row["num"] for row in rows] == list(range(6))
-    arrays = [{row["job_id"].split("_")[0] for row in rows[i:i + 3]} for i in (0, 3)]
-    assert all(len(ids) == 1 for ids in arrays) and arrays[0] != arrays[1]  # one array a batch
+    assert [row["num"] for row in rows] == list(range(4))
+    assert len({row["job_id"].split("_")[0] for row in rows}) == 4  # a job each
+    # Never more than n_jobs trials in SLURM's queue: each was submitted once an earlier one
+    # was seen to end (the launcher's own times: submitted, seen ended).
+    intervals = [(row["submitted_at"], row["ended_at"]) for row in rows]
+    assert all(start < end for start, end in intervals), intervals
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    assert max(itertools.accumulate(change for _, change in events)) == 2
     for row, trial in zip(rows, trials, strict=True):
         summary = read_summary(Path(row["dir"]))
         assert summary["status"] == row["state"] == trial.state.name.lower().replace(

@@ -1,4 +1,5 @@
-"""`labrun status SWEEP_DIR|RUN_DIR [--json]`: the arguments; the table is labrun.runs.status's."""
+"""`labrun status SWEEP_DIR|RUN_DIR [--json] [--wait]`: the arguments; the table is
+labrun.runs.status's."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ def configure(parser) -> None:
                         help="a sweep folder (multirun/DATE/TIME-XXXX) or one run folder")
     parser.add_argument("--json", action="store_true",
                         help="print each job's state, metric, figures and verdict as JSON")
+    parser.add_argument("--wait", action="store_true",
+                        help="wait until every job has ended, then print the table; exit 0 "
+                             "when all completed, 1 when some did not (Ctrl-C cancels nothing)")
 
 
 def run(args) -> int:
     from labrun.runs import status
 
+    if args.wait:
+        return status.wait(args.path)
     status.show(args.path, as_json=args.json)
     return 0

@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,8 @@ from labrun.core.errors import ConfigError
 from labrun.core.scheduler import LocalScheduler
 from labrun.launch import sweep
 from labrun.runs import lock as run_lock
-from labrun.runs.sweepdir import Job, read_result
+from labrun.runs.cancel import stop
+from labrun.runs.sweepdir import Job, read_result, submitit_result
 
 log = logging.getLogger(__name__)
 
@@ -65,69 +67,88 @@ class LocalLauncher(sweep.SweepLauncher):
     scheduler = LocalScheduler
     POLL_S = POLL_S
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._machine: Machine | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The launcher goes to each job pickled: without the launcher's own bookkeeping (its
+        # other jobs, their processes).
+        return {**self.__dict__, "_machine": None}
+
     # -- in the launching process --------------------------------------------------------------
 
-    def run(self, todo: list[Job], jobs: list[Job], sweep_dir: Path) -> None:
-        cluster = self.config.cluster
-        gpus = list(cluster.gpu_ids) if cluster.gpu_ids is not None else visible_gpus()
+    def machine(self) -> Machine:
+        """This machine's GPUs and job slots, found at the first job this launcher starts."""
+        if self._machine is None:
+            cluster = self.config.cluster
+            gpus = list(cluster.gpu_ids) if cluster.gpu_ids is not None else visible_gpus()
+            max_parallel = cluster.max_parallel or (len(gpus) // cluster.devices if gpus else 1)
+            self._machine = Machine(gpus, max_parallel, free=list(gpus), submitit_dir=(
+                self.sweep_dir / ".submitit" / time.strftime("%Y%m%d-%H%M%S")))
+            log.info("sweep in %s: at most %d jobs at once%s", self.sweep_dir, max_parallel,
+                     f" on GPUs {gpus}" if gpus else "")
+        return self._machine
 
-        def needs(job: Job) -> int:  # GPUs of one job: its own trainer.devices (may be swept)
-            return job.config.cluster.devices if gpus else 0
+    def begin(self, jobs: list[Job]) -> None:
+        machine = self.machine()
+        for job in jobs:  # all refused before any starts
+            if machine.needs(job) > len(machine.gpus):
+                raise ConfigError(f"trainer.devices={machine.needs(job)} but only "
+                                  f"{len(machine.gpus)} GPUs are available ({machine.gpus}); "
+                                  f"lower trainer.devices or set cluster.gpu_ids")
+        machine.queue += jobs
+        self._start_queued()
 
+    def adopt(self, job: Job) -> None:
+        machine = self.machine()
+        mine = job_gpus(job)
+        machine.free = [gpu for gpu in machine.free if gpu not in mine]
+        machine.running[job.num] = (Attached(job), mine)
+
+    def _start_queued(self) -> None:
+        """Start the queued jobs that fit now: a free slot and enough free GPUs."""
+        machine = self.machine()
+        while (machine.queue and len(machine.running) < machine.max_parallel
+               and len(machine.free) >= machine.needs(machine.queue[0])):
+            job = machine.queue.pop(0)
+            count = machine.needs(job)
+            mine, machine.free = machine.free[:count], machine.free[count:]
+            with _ctrl_c_deferred():  # a started job is always in `running`
+                machine.running[job.num] = (self._start(job, mine), mine)
+            self.record([job])
+
+    def ended(self, jobs: list[Job]) -> list[Job]:
+        machine, done = self.machine(), []
         for job in jobs:
-            if needs(job) > len(gpus):
-                raise ConfigError(f"trainer.devices={needs(job)} but only {len(gpus)} GPUs are "
-                                  f"available ({gpus}); lower trainer.devices or set "
-                                  f"cluster.gpu_ids")
-        max_parallel = cluster.max_parallel or (len(gpus) // cluster.devices if gpus else 1)
-        log.info("sweep: %d jobs in %s, at most %d at once%s", len(jobs), sweep_dir,
-                 max_parallel, f" on GPUs {gpus}" if gpus else "")
+            if job.num in machine.running and machine.running[job.num][0].done():
+                handle, mine = machine.running.pop(job.num)
+                _collect(job, handle)
+                machine.free.extend(mine)
+                done.append(job)
+        self._start_queued()  # a freed slot gets the next job at once
+        return done
 
-        submitit_dir = sweep_dir / ".submitit" / time.strftime("%Y%m%d-%H%M%S")
-        queue = list(todo)
-        free, running = list(gpus), {}
-        given: dict[Any, list[int]] = {}  # each running job's GPUs
+    def stop(self, jobs: list[Job]) -> None:
+        machine = self.machine()
+        started = [job for job in jobs if job.num in machine.running]
+        log.warning("interrupted: stopping %d running jobs (each saves a checkpoint)",
+                    len(started))
+        for job in started:
+            stop(job)  # SIGTERM, to its controller or else to the process holding its folder
+        for job in started:
+            handle, _ = machine.running.pop(job.num)
+            while not handle.done():
+                time.sleep(POLL_S)
+            _collect(job, handle, stopped=True)
+        for job in machine.queue:
+            job.state = "cancelled"
+        machine.queue.clear()
 
-        def start() -> bool:
-            nonlocal free
-            while queue and len(running) < max_parallel and len(free) >= needs(queue[0]):
-                job = queue.pop(0)
-                mine, free = free[:needs(job)], free[needs(job):]
-                with _ctrl_c_deferred():  # a started job is always in `running`
-                    handle = self._start(job, mine, sweep_dir, submitit_dir)
-                    running[handle], given[handle] = job, mine
-                self.record(sweep_dir, jobs)
-            return bool(queue)
-
-        def on_end(handle: Any, job: Job) -> None:
-            _collect(job, handle)
-            free.extend(given.pop(handle))
-            log.info("job %d %s", job.num, job.state)
-            self.record(sweep_dir, jobs)  # `labrun status` sees it
-
-        try:
-            self.poll(running, lambda handles: [h for h in handles if h.done()], on_end, start)
-        except KeyboardInterrupt:
-            log.warning("interrupted: stopping %d running jobs (each saves a checkpoint)",
-                        len(running))
-            for handle in running:
-                # To the job's controller, which passes SIGTERM on to the job: a stop request
-                # (submitit's cancel() sends SIGINT, on which the controller kills the job 1 s
-                # later, too soon for a checkpoint).
-                os.kill(int(handle.job_id), signal.SIGTERM)
-            for handle, job in running.items():
-                while not handle.done():
-                    time.sleep(POLL_S)
-                _collect(job, handle, stopped=True)
-            for job in queue:
-                job.state = "cancelled"
-            raise
-        finally:
-            self.record(sweep_dir, jobs)
-        return None
-
-    def _start(self, job: Job, gpus: list[int], sweep_dir: Path, submitit_dir: Path) -> Any:
+    def _start(self, job: Job, gpus: list[int]) -> Any:
         import submitit
+
+        sweep_dir = self.sweep_dir
 
         job.path.mkdir(parents=True, exist_ok=True)
         job.log = str(job.path / "job.log")
@@ -143,7 +164,7 @@ class LocalLauncher(sweep.SweepLauncher):
         with open_dict(config):
             # Resolved here: `${now:...}` in the sweep folder's name would differ in the job.
             config.hydra.sweep.dir = str(sweep_dir)
-        executor = submitit.LocalExecutor(folder=submitit_dir)
+        executor = submitit.LocalExecutor(folder=self.machine().submitit_dir)
         executor.update_parameters(visible_gpus=gpus, gpus_per_node=len(gpus),
                                    timeout_min=NO_TIME_LIMIT_MIN)
         # Taken before the process exists (and ended_at after it is gone): the recorded interval
@@ -151,6 +172,7 @@ class LocalLauncher(sweep.SweepLauncher):
         job.started_at = time.time()
         handle = executor.submit(self, config, job.log, env, Singleton.get_state())
         job.state, job.job_id = "running", handle.job_id
+        job.submitit_dir = str(handle.paths.folder)
         log.info("job %d started (pid %s%s): %s", job.num, handle.job_id,
                  f", GPUs {job.gpus}" if gpus else "", job.log)
         return handle
@@ -197,32 +219,69 @@ class LocalLauncher(sweep.SweepLauncher):
         return 0
 
 
+@dataclass
+class Machine:
+    """What the local launcher hands out: GPUs and at most max_parallel job slots."""
+
+    gpus: list[int]
+    max_parallel: int
+    free: list[int]  # GPUs no running job has
+    submitit_dir: Path  # submitit's files of this launcher's jobs
+    running: dict[int, tuple[Any, list[int]]] = field(default_factory=dict)  # num: handle, GPUs
+    queue: list[Job] = field(default_factory=list)  # jobs waiting for a slot, in order
+
+    def needs(self, job: Job) -> int:
+        """GPUs of one job: its own trainer.devices (which a sweep may vary); none without."""
+        return job.config.cluster.devices if self.gpus else 0
+
+
+class Attached:
+    """A job an earlier launcher of this sweep started that still runs (that launcher went with
+    its terminal). This process has no submitit handle on it: the job has ended once its
+    controller is gone and its run folder's lock has no live holder."""
+
+    def __init__(self, job: Job):
+        self.job, self.job_id = job, job.job_id
+
+    def done(self) -> bool:
+        return (not LocalScheduler().job_alive(self.job_id)
+                and run_lock.live_holder(self.job.run_dir.lock_path) is None)
+
+
+def job_gpus(job: Job) -> list[int]:
+    return [int(gpu) for gpu in job.gpus.split(",")] if job.gpus else []
+
+
 def _collect(job: Job, handle: Any, stopped: bool = False) -> None:
     """Record how a job ended: its exit code from submitit's result, then its own files.
     `stopped`: the launcher stopped it (Ctrl-C); its exit code is then no error of its own."""
     job.ended_at = time.time()
-    if handle.paths.result_pickle.exists():  # else killed: no result, and no exit code
-        try:
-            job.returncode = handle.result()
-        except Exception as error:  # noqa: BLE001 - submitit's own failure, with its trace
-            job.returncode, job.error = 1, str(error).strip().splitlines()[-1][:200]
+    result = submitit_result(job)  # None: killed, so no result and no exit code
+    if result is not None:
+        outcome, value = result
+        if outcome == "success":
+            job.returncode = value
+        else:  # submitit's own failure, with its trace
+            job.returncode, job.error = 1, str(value).strip().splitlines()[-1][:200]
     if job.returncode != 0 and not stopped:
         job.error = job.error or (f"exit code {job.returncode}" if job.returncode is not None
-                                  else f"ended without a result (submitit: {handle.state})")
+                                  else "ended without a result (killed?)")
     read_result(job)
 
 
 @contextlib.contextmanager
 def _ctrl_c_deferred():
-    """SIGINT blocked while a job starts. Its controller inherits the mask, so a terminal's
-    Ctrl-C reaches neither the controller (on SIGINT it would kill the job a second later) nor
-    the job until the job has a session of its own; the launcher gets it once the job is
-    recorded as running, and stops it with the others."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """SIGINT and SIGHUP blocked while a job starts. Its controller inherits the mask, so a
+    terminal's Ctrl-C reaches neither the controller (on SIGINT it would kill the job a second
+    later) nor the job until the job has a session of its own; the launcher gets it once the
+    job is recorded as running, and stops it with the others. SIGHUP (the terminal gone) stays
+    blocked in the controller, which keeps running, and requeueing, its job; the launcher
+    gets it and ends, and the same command again attaches to the jobs."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGHUP})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGHUP})
 
 
 @contextlib.contextmanager

@@ -8,9 +8,11 @@ Keys (conf/hparams_search/optuna.yaml; the schema is in hydra_plugins/labrun_lau
                  a URL (sqlite:///..., postgresql://...): that database
     study_name, direction (maximize | minimize), sampler (a `_target_`, TPE by default)
     n_trials     trials in all, counting those an earlier run of the study finished
-    n_jobs       trials per batch: the launcher runs a batch at once (cluster=lab: one array)
+    n_jobs       trials in flight at once: when one ends, the next starts (cluster=lab: each
+                 trial is one SLURM job, submitted as it is asked)
     pruner       a `_target_` (optuna.pruners.MedianPruner by default); null: no pruning
-    max_failure_rate  the share of a batch's trials that may fail before the search stops
+    max_failure_rate  the share of the ended trials that may fail; above it the study asks
+                 for no more trials, lets those in flight finish, and the command fails
     params       the search space, in hydra-optuna-sweeper's syntax (launch/search_space.py)
 
 Each trial is one job of the launcher that `cluster=` picked, in the sweep folder's N/ for
@@ -41,8 +43,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from labrun.config import validation
 from labrun.core.errors import ConfigError, LabrunError, one_line
-from labrun.launch import search_space
+from labrun.launch import search_space, sweep
 from labrun.runs.rundir import RunDir
+from labrun.runs.sweepdir import Job, print_table
 from labrun.train.pruning import PRUNER_ATTR, open_storage
 
 log = logging.getLogger(__name__)
@@ -69,7 +72,8 @@ class OptunaSweeper(Sweeper):
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, n_jobs, max_failure_rate
         self.sampler, self.pruner, self.params = sampler, pruner, params or {}
         self.config: DictConfig | None = None
-        self.launcher = None
+        self.launcher: sweep.SweepLauncher | None = None
+        self._stopped_by: str | None = None  # why the study stopped asking for trials
         self.hydra_context: HydraContext | None = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
@@ -77,13 +81,17 @@ class OptunaSweeper(Sweeper):
         self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
             config=config, hydra_context=hydra_context, task_function=task_function)
+        if not isinstance(self.launcher, sweep.SweepLauncher):
+            raise ConfigError(f"hparams_search=optuna starts trials one at a time through "
+                              f"labrun's launchers, not {type(self.launcher).__name__}; use "
+                              f"cluster=local, lab or slurm_dev")
 
     def sweep(self, arguments: list[str]) -> None:
         import optuna
 
         if OmegaConf.select(self.config, "cluster.detach", default=False):
-            raise ConfigError("hparams_search=optuna waits for each batch of trials to choose "
-                              "the next: it cannot run with cluster.detach=true")
+            raise ConfigError("hparams_search=optuna waits for each trial to choose the next: "
+                              "it cannot run with cluster.detach=true")
         distributions, fixed = search_space.parse(
             OmegaConf.to_container(OmegaConf.create(dict(self.params)), resolve=True),
             list(arguments))
@@ -112,23 +120,54 @@ class OptunaSweeper(Sweeper):
         log.info("study %s in %s: %d trials to run, %d at a time; sampler %s, pruner %s",
                  study_name, storage_spec, to_go, self.n_jobs, type(self.sampler).__name__,
                  type(self.pruner).__name__ if self.pruner is not None else "none")
-        while to_go > 0:
-            trials = [study.ask(distributions) for _ in range(min(self.n_jobs, to_go))]
-            numbers = [trial.number for trial in trials]
-            if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
-                raise LabrunError(f"study {study_name} got trials {numbers} from another "
-                                  f"process; run one sweeper per study")
-            overrides = [self._overrides(trial, fixed, storage_spec, study_name)
-                         for trial in trials]
-            returns = self.launcher.launch(overrides, initial_job_idx=numbers[0])
-            failures = [failure for trial, ret in zip(trials, returns, strict=True)
-                        if (failure := self._tell(study, trial, ret)) is not None]
-            if failures and len(failures) / len(returns) > self.max_failure_rate:
-                raise LabrunError(f"{len(failures)} of {len(returns)} trials failed "
-                                  f"(hydra.sweeper.max_failure_rate={self.max_failure_rate}); "
-                                  f"first: {failures[0]}")
-            to_go -= len(trials)
+        jobs = self._run_trials(study, distributions, fixed, storage_spec, to_go)
+        print_table(jobs, f"study {study_name} in {sweep_dir}")
         self._report(study, sweep_dir)
+        if self._stopped_by is not None:
+            raise LabrunError(self._stopped_by)
+
+    def _run_trials(self, study: Any, distributions: dict[str, Any], fixed: list[str],
+                    storage_spec: str, to_go: int) -> list[Job]:
+        """Keep up to n_jobs trials in flight: whenever one ends (completed, pruned or
+        failed), tell the study and start the next at once. Returns this run's jobs."""
+        in_flight: dict[int, tuple[Any, Job]] = {}  # job num -> (trial, its job)
+        jobs, ended, failures = [], 0, []
+        expected = None  # the next trial's number: another sweeper on the study would skip it
+        try:
+            while in_flight or (to_go > 0 and self._stopped_by is None):
+                while to_go > 0 and self._stopped_by is None and len(in_flight) < self.n_jobs:
+                    trial = study.ask(distributions)
+                    if expected is not None and trial.number != expected:
+                        raise LabrunError(f"study {study.study_name} gave trial {trial.number} "
+                                          f"after {expected - 1}: another process asks it for "
+                                          f"trials; run one sweeper per study")
+                    expected = trial.number + 1
+                    job = self.launcher.start(
+                        self._overrides(trial, fixed, storage_spec, study.study_name),
+                        trial.number)
+                    in_flight[job.num] = (trial, job)
+                    jobs.append(job)
+                    to_go -= 1
+                for job in self.launcher.wait_any([job for _, job in in_flight.values()]):
+                    trial, _ = in_flight.pop(job.num)
+                    ended += 1
+                    failure = self._tell(study, trial, sweep.job_return(job))
+                    if failure is not None:
+                        failures.append(failure)
+                    # Over the trials that have ended (not per batch): a failing study stops
+                    # asking, and the trials in flight finish and are told.
+                    if (failures and self._stopped_by is None
+                            and len(failures) / ended > self.max_failure_rate):
+                        self._stopped_by = (
+                            f"{len(failures)} of {ended} trials failed (hydra.sweeper."
+                            f"max_failure_rate={self.max_failure_rate}); first: {failures[0]}")
+                        log.warning("stopping the study: %s; waiting for the %d trials in "
+                                    "flight", self._stopped_by, len(in_flight))
+        except KeyboardInterrupt:
+            self.launcher.stop([job for _, job in in_flight.values()])
+            self.launcher.record(jobs)
+            raise
+        return jobs
 
     # -- the study -----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ lab needs:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -34,11 +35,14 @@ from labrun.config import facts
 from labrun.core import environment, probes
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.core.project import PROJECT_DIR
-from labrun.core.scheduler import SlurmScheduler
+from labrun.core.scheduler import LIVE_STATES, SlurmScheduler
 from labrun.launch import SLURM_COMMENT_PREFIX, sweep
-from labrun.runs.sweepdir import Job
+from labrun.runs.sweepdir import Job, submitit_result
 
 POLL_S = 2.0
+# A job that neither squeue nor sacct lists for this long has ended without a trace (a cluster
+# without accounting forgets it MinJobAge after its end); its run folder tells how it ended.
+FORGOTTEN_AFTER_S = 60.0
 log = logging.getLogger(__name__)
 
 
@@ -61,91 +65,99 @@ class SlurmLauncher(sweep.SweepLauncher):
 
     # -- in the submitting process -------------------------------------------------------------
 
-    def run(self, todo: list[Job], jobs: list[Job], sweep_dir: Path
-            ) -> list[JobReturn] | None:
+    CAN_DETACH = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stamp: str | None = None  # this launcher's submissions: .submitit/STAMP, .code/STAMP
+        self._snapshot: Path | None = None
+        self._unknown_since: dict[int, float] = {}  # job num -> when SLURM first did not know it
+
+    def begin(self, jobs: list[Job]) -> None:
+        """Submit the jobs, one array per distinct resource request (a trial of a search: an
+        array of one); each job gets its SLURM id and log. Every submission of this launcher
+        runs one snapshot of the code, taken at its first."""
         import submitit
 
-        if not todo:
-            return None
-        cluster = self.config.cluster
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        snapshot = sweep_dir / ".code" / stamp if cluster.snapshot else None
+        cluster, sweep_dir = self.config.cluster, self.sweep_dir
+        if self._stamp is None:
+            self._stamp = time.strftime("%Y%m%d-%H%M%S")
+            self._snapshot = sweep_dir / ".code" / self._stamp if cluster.snapshot else None
         # One array per distinct resource request: a sweep over trainer.devices, say, asks
         # for different tasks and GPUs per node.
         arrays: dict[str, list[Job]] = {}
-        for job in todo:
+        for job in jobs:
             make_paths_absolute(job.config, sweep_dir)
-            params = executor_parameters(job.config.cluster, self.config, snapshot)
+            params = executor_parameters(job.config.cluster, self.config, self._snapshot)
             arrays.setdefault(repr(sorted(params.items())), []).append(job)
         for group in arrays.values():
             check_resources(group[0].config.cluster)
-        todo = [job for group in arrays.values() for job in group]
-        state, submitted = Singleton.get_state(), []
-        with code_snapshot(snapshot):
+        state = Singleton.get_state()
+        with code_snapshot(self._snapshot):
             for group in arrays.values():
                 executor = submitit.AutoExecutor(
-                    folder=sweep_dir / ".submitit" / stamp / "%j", cluster="slurm",
+                    folder=sweep_dir / ".submitit" / self._stamp / "%j", cluster="slurm",
                     slurm_max_num_timeout=group[0].config.cluster.max_num_timeout)
                 executor.update_parameters(
-                    **executor_parameters(group[0].config.cluster, self.config, snapshot))
-                submitted += executor.map_array(self, [job.config for job in group],
-                                                [state] * len(group))
-        for job, handle in zip(todo, submitted, strict=True):
-            job.state, job.job_id, job.log = "submitted", handle.job_id, str(handle.paths.stdout)
-            log.info("job %d: SLURM %s  log %s", job.num, handle.job_id, handle.paths.stdout)
-        self.record(sweep_dir, jobs, snapshot=str(snapshot or ""))
-        if cluster.detach:
-            log.info("detached: %d jobs submitted; see their state with: labrun status %s",
-                     len(todo), sweep_dir)
-            return [sweep.job_return(job) if job.state == "skipped" else
-                    _detached_return(job) for job in jobs]
-        self._wait(todo, submitted)
-        return None
+                    **executor_parameters(group[0].config.cluster, self.config, self._snapshot))
+                handles = executor.map_array(self, [job.config for job in group],
+                                             [state] * len(group))
+                submitted_at = time.time()
+                for job, handle in zip(group, handles, strict=True):
+                    job.state, job.job_id = "submitted", handle.job_id
+                    job.log, job.submitted_at = str(handle.paths.stdout), submitted_at
+                    job.submitit_dir = str(handle.paths.folder)
+                    log.info("job %d: SLURM %s  log %s", job.num, handle.job_id, job.log)
 
-    def _wait(self, jobs: list[Job], handles: list[Any]) -> None:
-        def ended(running: list[Any]) -> list[Any]:
-            return [handle for handle in running if handle.done(force_check=True)
-                    and not requeued_after_node_failure(handle)]
+    def manifest_extra(self) -> dict[str, Any]:
+        return {"snapshot": str(self._snapshot or "")}
 
-        def on_end(handle: Any, job: Job) -> None:
-            job.state = "running"  # ended; read_result() tells how, from the job's own files
-            job.error = failure_reason(handle)
-
+    def ended(self, jobs: list[Job]) -> list[Job]:
+        """Asks SLURM about all of them at once. squeue first: it is right about a job requeued
+        a moment ago (after its node failed, say), which accounting still shows as NODE_FAIL."""
         try:
-            self.poll(dict(zip(handles, jobs, strict=True)), ended, on_end)
-        except KeyboardInterrupt:
-            ids = [h.job_id for h in handles]
-            log.warning("interrupted: cancelling the sweep's %d jobs (%s)", len(ids),
-                        ", ".join(ids))
-            for handle in handles:
-                handle.cancel(check=False)
-            for job in jobs:
-                job.state = "cancelled"
-            raise
+            states = SlurmScheduler().job_states([job.job_id for job in jobs])
+        except probes.SlurmError as error:
+            log.warning("cannot ask SLURM now (%s); asking again", error)
+            return []
+        done, now = [], time.time()
+        for job in jobs:
+            state = states.get(str(job.job_id))
+            if state is None:  # neither the controller nor accounting knows it (yet)
+                since = self._unknown_since.setdefault(job.num, time.monotonic())
+                if time.monotonic() - since > FORGOTTEN_AFTER_S:
+                    job.ended_at = now
+                    done.append(job)
+            elif state not in LIVE_STATES:
+                job.error = failure_reason(job, state)
+                job.state = "running"  # ended; read_result() tells how, from its own files
+                job.ended_at = now  # when this launcher saw it end
+                done.append(job)
+        return done
+
+    def stop(self, jobs: list[Job]) -> None:
+        """Ctrl-C cancels the jobs (SIGHUP, the terminal gone, ends only this process, and the
+        same command again attaches to them)."""
+        ids = [job.job_id for job in jobs if job.job_id]
+        log.warning("interrupted: cancelling the sweep's %d jobs (%s)", len(ids), ", ".join(ids))
+        with contextlib.suppress(probes.SlurmError):
+            SlurmScheduler().cancel(ids)
+        for job in jobs:
+            job.state = "cancelled"
 
 
-def requeued_after_node_failure(handle: Any) -> bool:
-    """True for a job whose node failed and that SLURM has requeued. For a few seconds sacct,
-    where submitit reads states, still shows NODE_FAIL, which submitit takes as the end; the
-    controller's own view (the scheduler's job_states) already shows the requeued job
-    pending."""
-    if handle.state != "NODE_FAIL":
-        return False
-    job_id = str(handle.job_id)
-    try:
-        state = SlurmScheduler().job_states([job_id]).get(job_id, "")
-    except probes.SlurmError:
-        return True  # cannot tell now: keep waiting, and ask again at the next poll
-    return state in ("PENDING", "REQUEUED", "CONFIGURING", "RUNNING")
-
-
-def failure_reason(handle: Any) -> str | None:
-    """Why a finished submitit job failed, from its result file or else from SLURM."""
-    try:
-        result = handle.results()[0]
-    except Exception:  # noqa: BLE001 - no result: killed, cancelled, timed out
-        return f"SLURM state {handle.state}{last_exception(Path(handle.paths.stderr))}"
-    failure = getattr(result, "_return_value", None)
+def failure_reason(job: Job, state: str) -> str | None:
+    """Why a job that ended in SLURM `state` failed: the exception its submitit result holds,
+    else the state and the last exception line of its stderr; None when it returned well."""
+    result = submitit_result(job)
+    if result is None:  # no result: killed, cancelled, timed out
+        # job.log is submitit's stdout, ID_0_log.out; its stderr is ID_0_log.err beside it.
+        stderr = Path(job.log).with_suffix(".err") if job.log else None
+        return f"SLURM state {state}{last_exception(stderr) if stderr else ''}"
+    outcome, value = result
+    if outcome == "error":  # the traceback submitit caught, as text
+        return one_line(str(value).strip().splitlines()[-1])[:200]
+    failure = getattr(value, "_return_value", None)
     if isinstance(failure, BaseException):
         return f"{type(failure).__name__}: {one_line(failure)[:200]}"
     return None
@@ -159,14 +171,6 @@ def last_exception(stderr: Path) -> str:
     lines = [line for line in stderr.read_text(errors="replace").splitlines()
              if pattern.match(line)]
     return f": {lines[-1][:200]}" if lines else ""
-
-
-def _detached_return(job: Job) -> JobReturn:
-    from hydra.core.utils import JobStatus
-
-    ret = JobReturn(overrides=job.overrides, cfg=job.config, working_dir=job.dir)
-    ret.status, ret.return_value = JobStatus.COMPLETED, None
-    return ret
 
 
 def executor_parameters(cluster: DictConfig, config: DictConfig, snapshot: Path | None
@@ -214,14 +218,19 @@ def make_paths_absolute(config: DictConfig, sweep_dir: Path) -> None:
 
 
 class code_snapshot:  # noqa: N801 - used as a context manager, like submitit's own helper
-    """submitit's RsyncSnapshot of the git checkout (tracked files as they are now)."""
+    """submitit's RsyncSnapshot of the git checkout (tracked files as they are now), submitted
+    from; a folder taken before (an earlier submission of the same search) is only entered,
+    so that every trial runs the code of the first."""
 
     def __init__(self, folder: Path | None):
         self.folder = folder
         self.inner = None
 
     def __enter__(self):
-        if self.folder is not None:
+        if self.folder is not None and self.folder.is_dir():
+            self.inner = contextlib.chdir(self.folder)
+            self.inner.__enter__()
+        elif self.folder is not None:
             from submitit.helpers import RsyncSnapshot
 
             project = PROJECT_DIR

@@ -14,9 +14,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,22 +27,30 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from labrun.config import validation
+from labrun.config import facts, validation
 from labrun.core import environment
 from labrun.core.errors import LabrunError
-from labrun.core.scheduler import Scheduler, path_of
+from labrun.core.scheduler import LIVE_STATES, Scheduler, path_of
 from labrun.runs import lock as run_lock
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, SweepDir, print_table, read_result
 
+log = logging.getLogger(__name__)
+
 
 class SweepLauncher(Launcher):
     """A Hydra launcher for labrun's sweeps. A subclass names its `scheduler` (its name is
-    jobs.json's backend, and `labrun status` asks it about the jobs later) and implements
-    `run`: start the pending jobs and, unless it detaches, wait for them (`poll`)."""
+    jobs.json's backend, and `labrun status` asks it about the jobs later) and implements the
+    non-blocking steps: `begin` (start jobs), `ended` (which have ended, one query for all),
+    `stop` (Ctrl-C) and `adopt` (a job an earlier launch started). Two ways use them:
+    - Hydra's blocking `launch(overrides)`: a grid sweep's jobs all at once, then a wait for
+      every one (or, detached, none);
+    - `start(overrides, num)` and `wait_any(jobs)`: a job at a time, each waited for as it
+      ends, which the Optuna sweeper uses to keep n_jobs trials in flight."""
 
     scheduler: ClassVar[type[Scheduler]]
-    POLL_S: ClassVar[float]  # how often poll() looks for ended jobs
+    POLL_S: ClassVar[float]  # how often wait_any() asks which jobs have ended
+    CAN_DETACH: ClassVar[bool] = False  # whether cluster.detach=true returns after submission
 
     def __init__(self) -> None:
         self.config: DictConfig | None = None
@@ -53,48 +62,103 @@ class SweepLauncher(Launcher):
         self.config, self.hydra_context = config, hydra_context
         self.task_function = task_function
 
-    # -- in the launching process --------------------------------------------------------------
+    @property
+    def sweep_dir(self) -> Path:
+        return Path(str(self.config.hydra.sweep.dir)).resolve()
+
+    # -- in the launching process: what a launcher implements -----------------------------------
+
+    @abc.abstractmethod
+    def begin(self, jobs: list[Job]) -> None:
+        """Start these jobs (or queue them, where they must wait for a free slot) and return
+        at once; each gets its id and log."""
+
+    @abc.abstractmethod
+    def ended(self, jobs: list[Job]) -> list[Job]:
+        """Those of these started jobs that have ended, without waiting."""
+
+    @abc.abstractmethod
+    def stop(self, jobs: list[Job]) -> None:
+        """Ctrl-C: stop these jobs (each saves a checkpoint where it can) and mark them."""
+
+    def adopt(self, job: Job) -> None:
+        """Take over waiting for `job`, which an earlier launch started and that still runs."""
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """The launcher's own keys in jobs.json."""
+        return {}
+
+    # -- in the launching process: the sweep -----------------------------------------------------
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
                ) -> Sequence[JobReturn]:
-        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         jobs = plan(self.hydra_context, self.config, job_overrides, initial_job_idx)
-        returned = self.run([job for job in jobs if job.state == "pending"], jobs, sweep_dir)
-        return returned if returned is not None else self.finish(jobs, sweep_dir)
+        attached = self._attach(jobs)
+        todo = [job for job in jobs if job.state == "pending"]
+        if todo:
+            self.begin(todo)
+        self.record(jobs)
+        if self.CAN_DETACH and self.config.cluster.get("detach"):
+            log.info("detached: %d jobs submitted; see their state with: labrun status %s",
+                     len(todo), self.sweep_dir)
+            return [job_return(job) if job.state == "skipped" else _detached_return(job)
+                    for job in jobs]
+        waiting = todo + attached
+        try:
+            while waiting:
+                ended = self.wait_any(waiting)
+                waiting = [job for job in waiting if job not in ended]
+        except KeyboardInterrupt:
+            self.stop(waiting)
+            self.record(jobs)
+            raise
+        return self.finish(jobs)
 
-    @abc.abstractmethod
-    def run(self, todo: list[Job], jobs: list[Job], sweep_dir: Path
-            ) -> list[JobReturn] | None:
-        """Start `todo` (the jobs of `jobs` not completed before) and wait for them; None once
-        they have ended, or Hydra's returns for a sweep left running (detached)."""
+    def start(self, overrides: list[str], num: int) -> Job:
+        """Job `num` with `overrides`, started now without waiting: attached to where an
+        earlier launch's is still running, skipped where it completed with the same config."""
+        job = plan(self.hydra_context, self.config, [overrides], num)[0]
+        if not self._attach([job]) and job.state == "pending":
+            self.begin([job])
+        self.record([job])
+        return job
 
-    def record(self, sweep_dir: Path, jobs: list[Job], **extra: Any) -> None:
-        """jobs.json, for `labrun status`, which asks the scheduler named there about the jobs;
-        `extra`: keys of the launcher's own."""
-        SweepDir(sweep_dir).write_jobs(self.scheduler.name, jobs,
-                                       scheduler=path_of(self.scheduler), **extra)
-
-    def poll(self, running: dict[Any, Job], ended: Callable[[list[Any]], list[Any]],
-             on_end: Callable[[Any, Job], None], start: Callable[[], bool] = lambda: False
-             ) -> None:
-        """Every POLL_S until no job runs or waits: `start()` starts the jobs that may start
-        now and says whether any still waits; `ended(handles)` gives those of the running
-        jobs' handles (the keys of `running`) whose jobs have ended, all asked at once (one
-        scheduler query a round, not one a job); `on_end(handle, job)` records each."""
+    def wait_any(self, jobs: list[Job]) -> list[Job]:
+        """Wait until at least one of `jobs` has ended (a skipped one has); return those that
+        have, with their results read from their own run folders and recorded."""
         while True:
-            waiting = start()
-            for handle in ended(list(running)):
-                on_end(handle, running.pop(handle))
-            if not running and not waiting:
-                return
+            ended = [job for job in jobs if job.state == "skipped"]
+            ended += self.ended([job for job in jobs if job.state != "skipped"])
+            if ended:
+                for job in ended:
+                    read_result(job)
+                    log.info("job %d %s", job.num, job.state)
+                self.record(ended)  # `labrun status` sees them
+                return ended
             time.sleep(self.POLL_S)
 
-    def finish(self, jobs: list[Job], sweep_dir: Path) -> list[JobReturn]:
+    def _attach(self, jobs: list[Job]) -> list[Job]:
+        attached = attach(self.scheduler(), jobs, self.sweep_dir)
+        for job in attached:
+            self.adopt(job)
+        if attached:
+            log.info("attached to %d jobs an earlier launch started that still run: %s",
+                     len(attached), ", ".join(f"{job.num} ({job.job_id})" for job in attached))
+        return attached
+
+    def record(self, jobs: list[Job]) -> None:
+        """These jobs' rows of jobs.json (the others stay), for `labrun status`, which asks the
+        scheduler named there about the jobs."""
+        SweepDir(self.sweep_dir).write_jobs(self.scheduler.name, jobs,
+                                            scheduler=path_of(self.scheduler),
+                                            **self.manifest_extra())
+
+    def finish(self, jobs: list[Job]) -> list[JobReturn]:
         """Every job's result from its own run folder, jobs.json, the table, Hydra's returns."""
         for job in jobs:
             read_result(job)
-        self.record(sweep_dir, jobs)
-        print_table(jobs, f"sweep {sweep_dir}")
+        self.record(jobs)
+        print_table(jobs, f"sweep {self.sweep_dir}")
         return [job_return(job) for job in jobs]
 
     # -- in the job ----------------------------------------------------------------------------
@@ -170,6 +234,9 @@ def job_dir(config: DictConfig) -> Path:
 
 
 def completed_with_same_config(job_dir: Path, cfg: DictConfig) -> bool:
+    """Whether the job's folder holds a completed run of the same config, where "same" counts
+    only the keys whose facts say they change what a run computes (config/facts.py): a
+    re-run with another cluster.detach, say, or after labrun gained a key, redoes nothing."""
     run_dir = RunDir(job_dir)
     if not (run_dir.summary_path.is_file() and run_dir.config_path.is_file()):
         return False
@@ -177,7 +244,67 @@ def completed_with_same_config(job_dir: Path, cfg: DictConfig) -> bool:
         return False
     current = OmegaConf.to_container(cfg, resolve=False)
     current.pop("hydra", None)
-    return OmegaConf.to_container(run_dir.saved_config_node(), resolve=False) == current
+    saved = OmegaConf.to_container(run_dir.saved_config_node(), resolve=False)
+    return not result_keys_differ(saved, current)
+
+
+def result_keys_differ(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Keys present in both configs, with values that differ, whose facts say they affect the
+    result. A key only one of them has is no difference: it came or went with a labrun
+    version, and its default keeps the old behaviour."""
+    differ = []
+    for name in old.keys() & new.keys():
+        dotted = f"{prefix}{name}"
+        if not facts.facts_of(dotted).affects_result:
+            continue
+        a, b = old[name], new[name]
+        if isinstance(a, dict) and isinstance(b, dict):
+            differ += result_keys_differ(a, b, dotted + ".")
+        elif a != b:
+            differ.append(dotted)
+    return differ
+
+
+def attach(scheduler: Scheduler, jobs: list[Job], sweep_dir: Path) -> list[Job]:
+    """Jobs an earlier launch into this sweep folder started that have not ended, by jobs.json:
+    the scheduler has them waiting or running, or their run folder's lock has a live holder
+    (a local job whose controller is gone). They are marked running and returned, to be
+    waited for rather than started twice. Every job keeps its earlier attempts; one to be
+    started again gets its last attempt added to them."""
+    earlier = SweepDir(sweep_dir).earlier_jobs()
+    recorded = [earlier[job.num] for job in jobs
+                if job.state == "pending" and job.num in earlier and earlier[job.num].job_id]
+    try:
+        states = scheduler.job_states([old.job_id for old in recorded]) if recorded else {}
+    except LabrunError as error:  # SlurmError included: nothing is submitted on a guess
+        raise LabrunError(f"cannot tell whether this sweep's earlier jobs still run ({error}); "
+                          f"try again once the scheduler answers") from None
+    live = {old.num for old in recorded if states.get(str(old.job_id)) in LIVE_STATES
+            or run_lock.live_holder(old.run_dir.lock_path) is not None}
+    attached = []
+    for job in jobs:
+        old = earlier.get(job.num)
+        if old is None:
+            continue
+        job.attempts = list(old.attempts)
+        if job.num in live:
+            job.state = "running"
+            for name in ("job_id", "log", "gpus", "submitted_at", "started_at",
+                         "submitit_dir"):
+                setattr(job, name, getattr(old, name))
+            attached.append(job)
+        elif job.state == "skipped":
+            job.job_id, job.log = old.job_id, old.log  # the attempt that completed it
+        elif old.job_id:
+            job.attempts.append(old.attempt())
+    return attached
+
+
+def _detached_return(job: Job) -> JobReturn:
+    """A detached job's return: started, no result yet (`labrun status` follows it)."""
+    ret = JobReturn(overrides=job.overrides, cfg=job.config, working_dir=job.dir)
+    ret.status, ret.return_value = JobStatus.COMPLETED, None
+    return ret
 
 
 def job_return(job: Job) -> JobReturn:

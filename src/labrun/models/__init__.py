@@ -7,7 +7,6 @@ classes, which always comes from the dataset.
 from __future__ import annotations
 
 import torch
-import torchvision
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -38,6 +37,10 @@ class SimpleCNN(nn.Module):
 def torchvision_model(num_classes: int, name: str) -> nn.Module:
     """Any torchvision classification model, randomly initialised (labs start from their own
     checkpoints: `model.init_from=PATH`)."""
+    # Imported on use: torchvision's package imports all of it, torch._dynamo included (a
+    # second or two per process), which a run of a built-in model does not need.
+    import torchvision
+
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
         close = [m for m in available if m.startswith(name[:4])][:6]

@@ -217,6 +217,16 @@ def read_holder(path: str | Path) -> Holder | None:
     return _look(path).holder
 
 
+def live_holder(path: str | Path) -> Holder | None:
+    """The holder of lock file `path` while it still trains (its process alive on this host,
+    its SLURM job running elsewhere); None when nobody holds it or the holder is gone: how a
+    sweep tells a job that outlived its launcher."""
+    holder = read_holder(path)
+    if holder is None or _gone_reason(holder, path, socket.gethostname()) is not None:
+        return None
+    return holder
+
+
 def busy_message(path: str | Path, holder: Holder) -> str:
     return (f"{Path(path).parent} is being trained by {holder.who()} since {holder.since()}; wait for it, "
             f"or stop it first")

@@ -11,15 +11,31 @@ utilisation) and the verdict with its fix come from each run folder (runs/effici
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from labrun.core import scheduler
 from labrun.core.errors import LabrunError
+from labrun.core.scheduler import LIVE_STATES
+from labrun.runs import lock as run_lock
 from labrun.runs.efficiency import Efficiency, measure
 from labrun.runs.rundir import RunDir
-from labrun.runs.sweepdir import ENDED, MANIFEST, Job, SweepDir, print_table, read_result
+from labrun.runs.sweepdir import (
+    ENDED,
+    FINISHED,
+    MANIFEST,
+    Job,
+    SweepDir,
+    print_table,
+    read_result,
+)
+
+# How often `labrun status --wait` looks again: a sweep's jobs take minutes to hours.
+WAIT_POLL_S = 5.0
+# A job's state (lower-case, as the table shows it) while it may still run.
+NOT_ENDED = frozenset({"submitted", "running"} | {s.lower() for s in LIVE_STATES})
 
 
 @dataclass
@@ -74,11 +90,17 @@ def sweep_jobs(sweep_dir: Path) -> tuple[list[Job], str]:
         state = states.get(job.job_id or "", "")
         if summary.get("status") in ENDED:  # pruned included: an Optuna search stopped it
             read_result(job)
-        elif summary.get("status") == "running" and state in ("", "running", "requeued"):
-            job.state = "running"  # its summary says so, and the scheduler does not contradict it
+        elif state == "running" or (state not in NOT_ENDED
+                                    and run_lock.live_holder(job.run_dir.lock_path)):
+            # The scheduler says so, or a live process holds its run folder (a local job whose
+            # controller is gone; a cluster whose controller does not answer now): never
+            # "failed" while it trains.
+            job.state = "running"
             job.metric = summary.get(f"best/{summary.get('monitor', 'val/acc')}")
         elif state:
-            job.state = state  # pending, or ended without a result (failed, cancelled, timeout)
+            job.state = state  # pending, requeued, or ended without a result (failed, timeout)
+        elif summary.get("status") == "running" and job.job_id:
+            read_result(job)  # its process is gone without a result: failed
         if summary.get("requeued"):  # preempted or its node failed, then resumed
             job.state = f"{job.state} (requeued {summary['requeued']}x)"
     return jobs, manifest["backend"]
@@ -130,3 +152,18 @@ def show(path: Path, as_json: bool = False) -> None:
             who = f"job {job.num}: " if status.kind == "sweep" else ""
             # Plain print: one unwrapped line per fix, whatever the terminal's width.
             print(f"{who}{figures.verdict}: {figures.reason}; {figures.fix}")
+
+
+def not_ended(job: Job) -> bool:
+    """Whether the job, as collect() found it, may still run ("running (requeued 1x)" too);
+    a job never submitted (no id) will not run unless the sweep is run again."""
+    return bool(job.job_id) and job.state.split(" (")[0] in NOT_ENDED
+
+
+def wait(path: Path, poll_s: float = WAIT_POLL_S) -> int:
+    """`labrun status SWEEP_DIR --wait`: wait until every job has ended, then print the table;
+    0 when every job completed, 1 when some did not. Waiting cancels nothing (Ctrl-C: 130)."""
+    while any(not_ended(job) for job in collect(path).jobs):
+        time.sleep(poll_s)
+    show(path)
+    return 0 if all(job.state.split(" (")[0] in FINISHED for job in collect(path).jobs) else 1

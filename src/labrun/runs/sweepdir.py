@@ -2,6 +2,8 @@
 
     SWEEP/
       jobs.json       {"backend": "local"|"slurm", "jobs": [Job, ...], ...extra (snapshot)}
+                      each Job row: its current attempt (job_id, state, log, times) and
+                      `attempts`, the earlier ones, so a job submitted again loses no record
       0/, 1/, ...     one run folder per job (RunDir)
 
 The launchers (labrun.launch) write jobs.json as jobs start and end; `labrun status` reads it.
@@ -48,12 +50,23 @@ class Job:
     gpus: str | None = None
     error: str | None = None
     metric: float | None = None
-    # The local launcher's own record of the job's process: wall-clock epoch seconds just
-    # before it started the process and just after it saw the process end, and its exit code.
+    # The launcher's own record of the job: wall-clock epoch seconds just before it started
+    # the job's process (local) and just after it saw the job end, and its exit code (local).
     started_at: float | None = None
     ended_at: float | None = None
     returncode: int | None = None
+    submitted_at: float | None = None  # when this attempt was submitted (epoch seconds)
+    submitit_dir: str | None = None  # submitit's files of this attempt: the call, its result
+    cancelled_at: float | None = None  # when `labrun cancel` cancelled it
+    # Earlier attempts of this job, oldest first: {job_id, state, log, submitted_at, ended_at}.
+    attempts: list[dict[str, Any]] = field(default_factory=list)
     config: Any = field(default=None, repr=False)  # the job's composed config (not saved)
+
+    def attempt(self) -> dict[str, Any]:
+        """This attempt as a row of `attempts`, before the job is submitted again."""
+        return {"job_id": self.job_id, "state": self.state, "log": self.log,
+                "submitted_at": self.submitted_at or self.started_at, "ended_at": self.ended_at,
+                "cancelled_at": self.cancelled_at}
 
     @property
     def path(self) -> Path:
@@ -88,6 +101,12 @@ class SweepDir:
         # Atomic: the local launcher rewrites it as each job ends, while `labrun status` may read.
         write_json_atomic(self.jobs_path, data)
 
+    def earlier_jobs(self) -> dict[int, Job]:
+        """job num -> the Job an earlier launch into this folder recorded ({} if none)."""
+        if not self.jobs_path.is_file():
+            return {}
+        return {job.num: job for job in self.read_jobs()["jobs"]}
+
     def read_jobs(self) -> dict[str, Any]:
         """jobs.json with its "jobs" as Job objects; LabrunError when the folder has none."""
         if not self.jobs_path.is_file():
@@ -105,6 +124,9 @@ def read_result(job: Job) -> None:
     job.metric = summary.get(f"best/{monitor}")
     status = summary.get("status")
     rank_errors = run_dir.rank_errors()
+    if job.cancelled_at and status != "completed":  # stopped by `labrun cancel`
+        job.state = "cancelled"
+        return
     if rank_errors:  # a rank other than 0 failed: SLURM may still say COMPLETED
         job.state = "failed"
         job.error = "; ".join(rank_errors)
@@ -115,6 +137,19 @@ def read_result(job: Job) -> None:
     elif job.state not in ("skipped", "cancelled"):
         job.state = "failed"
         job.error = last_error_line(job.log) or job.error or "the job ended without a result"
+
+
+def submitit_result(job: Job) -> tuple[str, Any] | None:
+    """What submitit recorded of the job's call: ("success", its return value) or ("error",
+    the traceback as text); None when there is no result (killed, cancelled, still running)."""
+    if not job.submitit_dir or not job.job_id:
+        return None
+    from submitit.core.utils import JobPaths, pickle_load
+
+    try:
+        return pickle_load(JobPaths(job.submitit_dir, job.job_id, 0).result_pickle)
+    except (OSError, EOFError, ValueError):
+        return None
 
 
 def last_error_line(log: str | None) -> str | None:

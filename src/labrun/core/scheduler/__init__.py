@@ -23,6 +23,8 @@ from labrun.core import probes
 from labrun.core.errors import LabrunError, one_line
 from labrun.core.scheduler.base import (  # noqa: F401 - the package's interface
     ACTIVE_STATES,
+    LIVE_STATES,
+    WAITING_STATES,
     ClusterLimits,
     FairShare,
     NodeLimits,

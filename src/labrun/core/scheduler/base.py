@@ -15,6 +15,11 @@ from typing import ClassVar, Protocol
 # States in which a job's processes may still be running (so it may still write its run folder).
 ACTIVE_STATES = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED",
                            "SIGNALING", "RESIZING", "STAGE_OUT"})
+# States in which a job waits to start (again): queued, held, requeued after preemption.
+WAITING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+                            "RESV_DEL_HOLD"})
+# A job in one of these has not ended: a sweep attaches to it rather than submitting it again.
+LIVE_STATES = ACTIVE_STATES | WAITING_STATES
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,10 @@ class Scheduler(Protocol):
     def job_states(self, job_ids: Iterable[str]) -> dict[str, str]:
         """The state of each job the scheduler knows, asked in one query whatever the number
         of jobs (array elements as ARRAYJOB_TASK); ids it does not know are left out."""
+
+    def cancel(self, job_ids: Iterable[str]) -> None:
+        """Stop these jobs, waiting or running, as the scheduler's own cancel does (a running
+        job gets SIGTERM first, on which it saves a checkpoint); ids that ended are no error."""
 
     def node_address(self) -> tuple[str | None, str]:
         """(this node's address on the route to the scheduler's controller, "") or (None, why

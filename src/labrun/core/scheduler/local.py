@@ -7,7 +7,9 @@ own memory), nobody else shares the machine's account, and the machine is its ow
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from collections.abc import Iterable, Mapping
 
 from labrun.core import probes
@@ -41,6 +43,15 @@ class LocalScheduler:
         """RUNNING for each job whose controller runs; an ended job is left out (its own run
         folder says how it ended)."""
         return {i: "RUNNING" for i in dict.fromkeys(job_ids) if i and _is_controller(i)}
+
+    def cancel(self, job_ids: Iterable[str]) -> None:
+        """SIGTERM to each job's controller, which passes it on to the job: a stop request, on
+        which the job saves a checkpoint (submitit's own cancel sends SIGINT, on which the
+        controller kills the job a second later, too soon for one)."""
+        for job_id in dict.fromkeys(job_ids):
+            if job_id and _is_controller(job_id):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(job_id), signal.SIGTERM)
 
     def node_address(self) -> tuple[str | None, str]:
         return None, "this machine is no node of a cluster (no scheduler's controller to route to)"

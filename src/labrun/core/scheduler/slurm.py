@@ -121,6 +121,12 @@ class SlurmScheduler:
         # Not listed: ended long enough ago that the controller forgot it.
         return state in ACTIVE_STATES
 
+    def cancel(self, job_ids: Iterable[str]) -> None:
+        """scancel: a running job gets SIGTERM (a checkpoint), then SIGKILL after KillWait."""
+        ids = list(dict.fromkeys(str(i) for i in job_ids if i))
+        if ids:
+            self._rows("scancel", *ids)
+
     def job_states(self, job_ids: Iterable[str]) -> dict[str, str]:
         """The controller's view (squeue: fresh, and right about a job requeued a moment ago,
         which accounting still shows as failed), then accounting (sacct) for the jobs the

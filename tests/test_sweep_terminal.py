@@ -1,0 +1,127 @@
+"""Sweeps on cluster=local that outlive their terminal, and Optuna trials that start as soon as a
+slot frees. (The same on SLURM: tests/test_cluster_slurm.py; what jobs.json remembers, in this
+process: tests/test_sweep_records.py.)
+
+The terminal going away is a SIGHUP to the launcher's whole process group, as a terminal sends
+its session's foreground jobs: the launcher ends, its jobs train on, and the same command again
+attaches to them instead of starting them twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import FAST, LABRUN, PROJECT, PYTHON, manifest, read_summary
+
+TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
+
+
+def holder_pid(run_dir: Path) -> int:
+    """The process training in `run_dir`: the holder its lock file names."""
+    return json.loads((run_dir / ".lock").read_text())["pid"]
+
+
+def wait_for_file(path: Path, log: Path, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.time() < deadline, log.read_text(errors="replace")
+        time.sleep(0.1)
+
+
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not (path.is_file() and text in path.read_text(errors="replace")):
+        assert proc.poll() is None and time.time() < deadline, path.read_text(errors="replace")
+        time.sleep(0.1)
+
+
+def test_a_local_sweep_outlives_sighup_and_the_same_command_attaches(tmp_path):
+    # Job 0 trains, job 1 waits for the one slot this machine without GPUs has: the terminal
+    # goes while job 0 trains and job 1 has not started.
+    sweep_dir = tmp_path / "sweep"
+    args = [PYTHON, "train.py", "-m", *FAST, *TINY, "trainer.max_epochs=3,1",
+            f"hydra.sweep.dir={sweep_dir}"]
+    # Its output to a file: the jobs' controllers, which outlive it, would hold a pipe open.
+    first = tmp_path / "first.log"
+    with open(first, "w") as out:
+        launcher = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    # Start-up and the first steps: under a minute on a loaded 2-core machine; 300 s only
+    # keeps a hung launcher from blocking the suite.
+    wait_for_file(sweep_dir / "0" / "metrics.jsonl", first, launcher, timeout=300)
+    # Job 0 is held still (SIGSTOP) until the second launch has attached to it: a job that
+    # ended meanwhile would be skipped as completed, which proves nothing about attaching.
+    job = holder_pid(sweep_dir / "0")
+    os.kill(job, signal.SIGSTOP)
+    try:
+        started = read_summary(sweep_dir / "0")["started_at"]
+        os.killpg(launcher.pid, signal.SIGHUP)  # the terminal is gone: its group hangs up
+        assert launcher.wait(timeout=60) == -signal.SIGHUP
+
+        # The job lives on (its controller and the job itself ignore the hang-up), and
+        # `labrun status` says so.
+        rows = manifest(sweep_dir)["jobs"]
+        assert [row["state"] for row in rows] == ["running", "pending"]
+        status = subprocess.run([LABRUN, "status", str(sweep_dir), "--json"],
+                                capture_output=True, text=True, timeout=120)
+        assert [job["state"] for job in json.loads(status.stdout)["jobs"]] == ["running",
+                                                                              "pending"]
+        # The same command again attaches to job 0 (start-up: seconds; 300 s: a hang).
+        output = tmp_path / "again.log"
+        with open(output, "w") as out:
+            again = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT)
+        wait_for_text(output, "attached to 1 jobs an earlier launch started that still run: "
+                      f"0 ({rows[0]['job_id']})", again, timeout=300)
+    finally:
+        os.kill(job, signal.SIGCONT)
+    # ...waits for it, starts job 1 once job 0 frees the slot, and ends as a whole sweep does
+    # (two TINY jobs, well under two minutes loaded; 300 s: a hang).
+    assert again.wait(timeout=300) == 0, output.read_text()
+    after = manifest(sweep_dir)["jobs"]
+    assert after[0]["job_id"] == rows[0]["job_id"] and after[0]["attempts"] == []
+    assert read_summary(sweep_dir / "0")["started_at"] == started  # never started twice
+    assert [read_summary(sweep_dir / n)["status"] for n in ("0", "1")] == ["completed"] * 2
+    assert [row["state"] for row in after] == ["completed"] * 2
+    # Job 1 started only after job 0 ended: one slot, still one job at a time.
+    assert read_summary(sweep_dir / "1")["started_at"] > read_summary(sweep_dir / "0")["ended_at"]
+
+
+# Trial lengths from the default seed's sampler (TPE, seed=0: its first trials are random):
+# trial 0 trains 1 epoch, trial 1 trains 20, trial 2 one again.
+ASYNC = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2",
+         "cluster.max_parallel=2", "trainer.max_epochs=choice(1,20)"]
+
+
+def dispatch(sweep_dir: Path) -> dict[int, tuple[float, float, int]]:
+    """Each trial's (started_at, ended_at, epochs) from its own summary.json."""
+    out = {}
+    for num in range(3):
+        summary = read_summary(sweep_dir / str(num))
+        out[num] = summary["started_at"], summary["ended_at"], summary["epoch"]
+    return out
+
+
+def test_an_optuna_trial_starts_as_soon_as_a_slot_frees_not_when_its_batch_ends(tmp_path):
+    args = [PYTHON, "train.py", "-m", *FAST, *TINY, *ASYNC, f"hydra.sweep.dir={tmp_path}"]
+    # Three TINY trials, one of twenty epochs: about a minute loaded; 600 s only stops a hang.
+    result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    trials = dispatch(tmp_path)
+    assert [trials[n][2] for n in range(3)] == [1, 20, 1], trials  # the seeded lengths
+    (_, short_end, _), (_, long_end, _), (next_start, _, _) = trials[0], trials[1], trials[2]
+    # Trial 2 took trial 0's slot: it started training while trial 1 still trained (a batch
+    # sweeper starts it only after trial 1 ends)...
+    assert short_end < next_start < long_end, trials
+    # ...and its process was started within seconds of trial 0's end (jobs.json's started_at:
+    # just before the launcher starts the process). Its own start-up after that (importing
+    # torch: seconds idle, three times that under the suite's load) is the same under any
+    # sweeper, so it is not part of what this bounds.
+    rows = manifest(tmp_path)["jobs"]
+    assert rows[2]["started_at"] - short_end < 15, (rows[2]["started_at"], trials)
+    assert "study train in" in result.stdout  # one table for the whole study
+    assert [row["num"] for row in rows] == [0, 1, 2]
+    assert [row["state"] for row in rows] == ["completed"] * 3
