@@ -357,3 +357,60 @@ def test_an_optuna_study_keeps_n_jobs_trials_in_flight_each_its_own_job(tmp_path
         assert summary["status"] == row["state"] == trial.state.name.lower().replace(
             "complete", "completed")
         assert f"optimizer.lr={trial.params['optimizer.lr']}" in row["overrides"]
+
+
+def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_it(tmp_path):
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    result = run_sweep(tmp_path, "hparams_search=optuna", "cluster.detach=true",
+                       "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1",
+                       "trainer.max_epochs=2", "trainer.limit_train_batches=3",
+                       "trainer.limit_val_batches=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"labrun status {tmp_path}" in result.stdout
+    assert f"labrun cancel {tmp_path}" in result.stdout
+    controller = manifest(tmp_path)["controller"]["job_id"]
+    # The terminal is gone (the command returned). Mid-study, while trial 1 trains, the
+    # controller is requeued (a preemption would do the same): submission, start-up and a
+    # trial, under two minutes loaded; 300 s only stops a hang.
+    deadline = time.time() + 300
+    while not (tmp_path / "1" / "metrics.jsonl").exists():
+        assert time.time() < deadline, Path(manifest(tmp_path)["controller"]["log"]).read_text()
+        time.sleep(0.5)
+    # Trial 1 held still (SIGSTOP; SLURM still runs it) until the requeued controller has
+    # attached to it: a trial that ended meanwhile is only told, not attached to.
+    trial = holder_pid(tmp_path / "1")
+    os.kill(trial, signal.SIGSTOP)
+    try:
+        subprocess.run(["scontrol", "requeue", controller], check=True, timeout=30)
+        log = Path(manifest(tmp_path)["controller"]["log"])
+        # The requeued controller starts again: seconds, a minute loaded; 300 s: a hang.
+        deadline = time.time() + 300
+        while "continuing study train: 1 trials finished, 1 running" not in log.read_text():
+            assert time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+    finally:
+        os.kill(trial, signal.SIGCONT)
+    assert sacct_state(controller) == "COMPLETED"  # waits for the study to end
+    storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
+    trials = optuna.load_study(study_name="train", storage=storage).trials
+    # Every trial number ended exactly once: none failed and was tried again, none ran twice.
+    assert [t.number for t in trials] == [0, 1, 2]
+    assert all(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+               for t in trials), [t.state for t in trials]
+    rows = manifest(tmp_path)["jobs"]
+    assert [(row["num"], row["attempts"]) for row in rows] == [(0, []), (1, []), (2, [])]
+    # Each trial was a job of its own, not a step of the controller's (whose SLURM variables
+    # it would have inherited): its recorded SLURM job is its own row's.
+    for row in rows:
+        recorded = json.loads((Path(row["dir"]) / "provenance" / "environment.json").read_text())
+        own = recorded["slurm"].get("SLURM_ARRAY_JOB_ID") or recorded["slurm"]["SLURM_JOB_ID"]
+        assert own == row["job_id"].split("_")[0] != controller, recorded["slurm"]
+    status = subprocess.run([LABRUN, "status", str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    # No pruning before five trials (the default MedianPruner): all three completed.
+    assert ("study train: 3 trials wanted; 3 finished, 0 running, 0 pruned, 0 failed"
+            in status.stdout), status.stdout
+    assert f"controller: SLURM job {controller}, completed" in status.stdout, status.stdout

@@ -91,37 +91,38 @@ def test_a_local_sweep_outlives_sighup_and_the_same_command_attaches(tmp_path):
 
 
 # Trial lengths from the default seed's sampler (TPE, seed=0: its first trials are random):
-# trial 0 trains 1 epoch, trial 1 trains 20, trial 2 one again.
+# trial 0 trains 1 epoch, trial 1 trains 4, trial 2 one again.
 ASYNC = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2",
-         "cluster.max_parallel=2", "trainer.max_epochs=choice(1,20)"]
-
-
-def dispatch(sweep_dir: Path) -> dict[int, tuple[float, float, int]]:
-    """Each trial's (started_at, ended_at, epochs) from its own summary.json."""
-    out = {}
-    for num in range(3):
-        summary = read_summary(sweep_dir / str(num))
-        out[num] = summary["started_at"], summary["ended_at"], summary["epoch"]
-    return out
+         "cluster.max_parallel=2", "trainer.max_epochs=choice(1,4)"]
 
 
 def test_an_optuna_trial_starts_as_soon_as_a_slot_frees_not_when_its_batch_ends(tmp_path):
-    args = [PYTHON, "train.py", "-m", *FAST, *TINY, *ASYNC, f"hydra.sweep.dir={tmp_path}"]
-    # Three TINY trials, one of twenty epochs: about a minute loaded; 600 s only stops a hang.
-    result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    trials = dispatch(tmp_path)
-    assert [trials[n][2] for n in range(3)] == [1, 20, 1], trials  # the seeded lengths
-    (_, short_end, _), (_, long_end, _), (next_start, _, _) = trials[0], trials[1], trials[2]
-    # Trial 2 took trial 0's slot: it started training while trial 1 still trained (a batch
-    # sweeper starts it only after trial 1 ends)...
-    assert short_end < next_start < long_end, trials
-    # ...and its process was started within seconds of trial 0's end (jobs.json's started_at:
-    # just before the launcher starts the process). Its own start-up after that (importing
-    # torch: seconds idle, three times that under the suite's load) is the same under any
-    # sweeper, so it is not part of what this bounds.
-    rows = manifest(tmp_path)["jobs"]
-    assert rows[2]["started_at"] - short_end < 15, (rows[2]["started_at"], trials)
-    assert "study train in" in result.stdout  # one table for the whole study
+    sweep_dir = tmp_path / "sweep"
+    args = [PYTHON, "train.py", "-m", *FAST, *TINY, *ASYNC, f"hydra.sweep.dir={sweep_dir}"]
+    output = tmp_path / "study.log"
+    with open(output, "w") as out:
+        study = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT)
+    # Trial 1, the long one, is held still (SIGSTOP) from its first logged step until trial 2
+    # trains: the slot trial 0 frees must go to trial 2 while trial 1 still runs. A batch
+    # sweeper starts trial 2 only once trial 1 has ended, so it would never come (the wait
+    # below fails at its deadline). Start-up and a few steps: under a minute loaded; 300 s.
+    wait_for_file(sweep_dir / "1" / "metrics.jsonl", output, study, timeout=300)
+    long_trial = holder_pid(sweep_dir / "1")
+    os.kill(long_trial, signal.SIGSTOP)
+    try:
+        wait_for_file(sweep_dir / "2" / "metrics.jsonl", output, study, timeout=300)
+    finally:
+        os.kill(long_trial, signal.SIGCONT)
+    assert study.wait(timeout=300) == 0, output.read_text()
+    trials = {num: read_summary(sweep_dir / str(num)) for num in range(3)}
+    assert [trials[n]["epoch"] for n in range(3)] == [1, 4, 1], trials  # the seeded lengths
+    # Trial 2 took trial 0's slot, its process started within seconds of trial 0's end
+    # (jobs.json's started_at: just before the launcher starts the process). Its own start-up
+    # after that (importing torch: seconds idle, three times that under the suite's load) is
+    # the same under any sweeper, so it is not part of what this bounds.
+    rows = manifest(sweep_dir)["jobs"]
+    assert trials[0]["ended_at"] < rows[2]["started_at"] < trials[0]["ended_at"] + 15, rows
+    assert trials[2]["started_at"] < trials[1]["ended_at"]
+    assert f"study train in {sweep_dir}" in output.read_text()  # one table for the study
     assert [row["num"] for row in rows] == [0, 1, 2]
     assert [row["state"] for row in rows] == ["completed"] * 3

@@ -277,6 +277,20 @@ class LocalClusterConfig(ClusterConfig):
 
 
 @dataclass
+class StudyControllerConfig:
+    """The SLURM job that runs a detached Optuna study (`hparams_search=optuna
+    cluster.detach=true`): the sweeper, asking for trials and submitting them, in a CPU slot.
+    Its keys have the `cluster` section's facts (resume-safe, no effect on any result)."""
+
+    partition: str | None = None  # null: the cluster's default partition
+    qos: str | None = None
+    account: str | None = None  # null: cluster.account
+    cpus_per_task: int = 1
+    mem_gb: int | None = 2
+    timeout_min: int = 4320  # three days; at the limit it requeues itself (max_num_timeout)
+
+
+@dataclass
 class SlurmClusterConfig(ClusterConfig):
     partition: str | None = None
     qos: str | None = None  # the lab's "urgent" label
@@ -293,6 +307,7 @@ class SlurmClusterConfig(ClusterConfig):
     extra_sbatch: dict[str, Any] = field(default_factory=dict)  # any other sbatch option
     detach: bool = False  # return after submission; `labrun status SWEEP_DIR` shows progress
     snapshot: bool = True  # jobs run the code as it was at submission
+    controller: StudyControllerConfig = field(default_factory=StudyControllerConfig)
 
 
 @dataclass

@@ -45,8 +45,8 @@ from labrun.config import validation
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.launch import search_space, sweep
 from labrun.runs.rundir import RunDir
-from labrun.runs.sweepdir import Job, print_table
-from labrun.train.pruning import PRUNER_ATTR, open_storage
+from labrun.runs.sweepdir import Job, SweepDir, open_storage, print_table, read_result
+from labrun.train.pruning import PRUNER_ATTR
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,6 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> None:
         import optuna
 
-        if OmegaConf.select(self.config, "cluster.detach", default=False):
-            raise ConfigError("hparams_search=optuna waits for each trial to choose the next: "
-                              "it cannot run with cluster.detach=true")
         distributions, fixed = search_space.parse(
             OmegaConf.to_container(OmegaConf.create(dict(self.params)), resolve=True),
             list(arguments))
@@ -104,34 +101,64 @@ class OptunaSweeper(Sweeper):
         storage_spec = self._storage_spec(sweep_dir)
         study_name = self.study_name or str(self.config.hydra.job.name)
         storage = optuna.storages.get_storage(open_storage(storage_spec))
-        to_go = self.n_trials - self._continue(storage, study_name)
-        if to_go <= 0:
+        if OmegaConf.select(self.config, "cluster.detach", default=False):
+            self._check_direction(optuna.load_study(study_name=study_name, storage=storage)
+                                  if _has_study(storage, study_name) else None, storage_spec)
+            self._detach(sweep_dir, storage_spec, study_name)
+            return
+        self.launcher.record([], study={"name": study_name, "storage": storage_spec,
+                                        "direction": self.direction, "n_trials": self.n_trials})
+        finished, in_flight = self._continue(storage, study_name, sweep_dir)
+        to_go = self.n_trials - finished - len(in_flight)
+        if to_go <= 0 and not in_flight:
             return
         study = optuna.create_study(study_name=study_name, storage=storage,
                                     sampler=self.sampler, direction=self.direction,
                                     load_if_exists=True)
-        if study.direction.name.lower() != self.direction:
-            raise ConfigError(f"study {study_name} in {storage_spec} was made to "
-                              f"{study.direction.name.lower()}, not to {self.direction}; use "
-                              f"another hydra.sweep.dir or hydra.sweeper.study_name")
+        self._check_direction(study, storage_spec)
         pruner_cfg = OmegaConf.to_container(self.config.hydra.sweeper.pruner, resolve=True) \
             if self.pruner is not None else None
         study.set_user_attr(PRUNER_ATTR, pruner_cfg)  # what the trials judge with
         log.info("study %s in %s: %d trials to run, %d at a time; sampler %s, pruner %s",
-                 study_name, storage_spec, to_go, self.n_jobs, type(self.sampler).__name__,
+                 study_name, storage_spec, max(0, to_go), self.n_jobs,
+                 type(self.sampler).__name__,
                  type(self.pruner).__name__ if self.pruner is not None else "none")
-        jobs = self._run_trials(study, distributions, fixed, storage_spec, to_go)
+        jobs = self._run_trials(study, distributions, fixed, storage_spec, to_go, in_flight)
         print_table(jobs, f"study {study_name} in {sweep_dir}")
         self._report(study, sweep_dir)
         if self._stopped_by is not None:
             raise LabrunError(self._stopped_by)
 
+    def _check_direction(self, study: Any, storage_spec: str) -> None:
+        if study is not None and study.direction.name.lower() != self.direction:
+            raise ConfigError(f"study {study.study_name} in {storage_spec} was made to "
+                              f"{study.direction.name.lower()}, not to {self.direction}; use "
+                              f"another hydra.sweep.dir or hydra.sweeper.study_name")
+
+    def _detach(self, sweep_dir: Path, storage_spec: str, study_name: str) -> None:
+        """cluster.detach=true: submit the study's controller (the launcher's; a SLURM job
+        running this same command, attached) and return."""
+        replaced = ("cluster.detach", "cluster.snapshot", "hydra.sweep.dir", "hydra.mode")
+        argv = [arg for arg in [*self.config.hydra.overrides.hydra,
+                                *self.config.hydra.overrides.task]
+                if arg.split("=")[0].lstrip("+~") not in replaced]
+        controller = self.launcher.submit_controller(argv)
+        self.launcher.record([], controller={**controller, "state": "submitted"},
+                             study={"name": study_name, "storage": storage_spec,
+                                    "direction": self.direction, "n_trials": self.n_trials})
+        print(f"study {study_name}: {self.n_trials} trials, run by SLURM job "
+              f"{controller['job_id']} (log {controller['log']})\n"
+              f"  follow it:  labrun status {sweep_dir}\n"
+              f"  stop it:    labrun cancel {sweep_dir}")
+
     def _run_trials(self, study: Any, distributions: dict[str, Any], fixed: list[str],
-                    storage_spec: str, to_go: int) -> list[Job]:
-        """Keep up to n_jobs trials in flight: whenever one ends (completed, pruned or
-        failed), tell the study and start the next at once. Returns this run's jobs."""
-        in_flight: dict[int, tuple[Any, Job]] = {}  # job num -> (trial, its job)
-        jobs, ended, failures = [], 0, []
+                    storage_spec: str, to_go: int, in_flight: dict[int, tuple[Any, Job]]
+                    ) -> list[Job]:
+        """Keep up to n_jobs trials in flight (`in_flight`: job num -> (trial, its job), those
+        of an earlier run still running): whenever one ends (completed, pruned or failed),
+        tell the study and start the next at once. Returns this run's jobs."""
+        in_flight = dict(in_flight)
+        jobs, ended, failures = [job for _, job in in_flight.values()], 0, []
         expected = None  # the next trial's number: another sweeper on the study would skip it
         try:
             while in_flight or (to_go > 0 and self._stopped_by is None):
@@ -151,7 +178,7 @@ class OptunaSweeper(Sweeper):
                 for job in self.launcher.wait_any([job for _, job in in_flight.values()]):
                     trial, _ = in_flight.pop(job.num)
                     ended += 1
-                    failure = self._tell(study, trial, sweep.job_return(job))
+                    failure = self._tell(study, trial.number, sweep.job_return(job))
                     if failure is not None:
                         failures.append(failure)
                     # Over the trials that have ended (not per batch): a failing study stops
@@ -178,23 +205,38 @@ class OptunaSweeper(Sweeper):
             return str(self.storage)
         return str(Path(self.storage).expanduser().resolve())  # the jobs may run elsewhere
 
-    def _continue(self, storage: Any, study_name: str) -> int:
-        """An earlier run's study: requeue its cut-off trials; return its finished count."""
+    def _continue(self, storage: Any, study_name: str, sweep_dir: Path
+                  ) -> tuple[int, dict[int, tuple[Any, Job]]]:
+        """An earlier run's study: its trials still running are attached to (a requeued
+        controller, a sweeper whose terminal went); those that ended meanwhile are told as
+        their run folders say; those cut off are marked failed and their parameters tried
+        again. Returns the count of finished trials and the trials in flight."""
         import optuna
 
-        try:
-            study = optuna.load_study(study_name=study_name, storage=storage)
-        except KeyError:  # no study of that name yet
-            return 0
+        if not _has_study(storage, study_name):
+            return 0, {}
+        study = optuna.load_study(study_name=study_name, storage=storage)
         state = optuna.trial.TrialState
-        for trial in study.get_trials(deepcopy=False, states=(state.RUNNING, state.WAITING)):
-            if trial.state == state.RUNNING:  # its sweeper stopped while it ran
-                study.enqueue_trial(trial.params)
-                study.tell(trial.number, state=state.FAIL)
+        earlier = SweepDir(sweep_dir).earlier_jobs()
+        in_flight: dict[int, tuple[Any, Job]] = {}
+        for trial in study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+            row = earlier.get(trial.number)
+            job = self.launcher.reattach(row.overrides, trial.number) if row else None
+            if job is not None:
+                in_flight[trial.number] = (trial, job)
+                continue
+            if row is not None and row.job_id:
+                read_result(row)  # it ended while no sweeper waited for it
+                if row.state in ("completed", "pruned"):
+                    self._tell(study, trial.number, sweep.job_return(row))
+                    self.launcher.record([row])
+                    continue
+            study.enqueue_trial(trial.params)  # cut off: its parameters are tried again
+            study.tell(trial.number, state=state.FAIL)
         finished = len(study.get_trials(deepcopy=False, states=(state.COMPLETE, state.PRUNED)))
-        log.info("continuing study %s: %d trials finished, %d to go", study_name, finished,
-                 max(0, self.n_trials - finished))
-        return finished
+        log.info("continuing study %s: %d trials finished, %d running, %d to go", study_name,
+                 finished, len(in_flight), max(0, self.n_trials - finished - len(in_flight)))
+        return finished, in_flight
 
     def _overrides(self, trial: Any, fixed: list[str], storage: str, study: str) -> list[str]:
         params = [f"{name}={value}" for name, value in trial.params.items()]
@@ -205,26 +247,26 @@ class OptunaSweeper(Sweeper):
                 f"{CALLBACK}.trial={trial.number}"]
 
     @staticmethod
-    def _tell(study: Any, trial: Any, ret: JobReturn) -> str | None:
+    def _tell(study: Any, number: int, ret: JobReturn) -> str | None:
         """Tell the study how the trial ended; return why it failed, or None."""
         import optuna
 
         state = optuna.trial.TrialState
         status = RunDir(ret.working_dir).read_summary().get("status") if ret.working_dir else None
         if status == "pruned":  # from the trial's own record: the pruner stopped it
-            study.tell(trial, state=state.PRUNED)
+            study.tell(number, state=state.PRUNED)
             return None
         if ret.status == JobStatus.COMPLETED:
             value = ret.return_value
             if isinstance(value, int | float) and not math.isnan(value):
-                study.tell(trial, float(value))
+                study.tell(number, float(value))
                 return None
-            error = (f"trial {trial.number} returned {value!r}, not a number: does its "
+            error = (f"trial {number} returned {value!r}, not a number: does its "
                      f"checkpoint.monitor appear in the validation metrics?")
         else:
             error = one_line(ret._return_value)  # the launcher's JobFailed: job, error, log
-        study.tell(trial, state=state.FAIL)
-        log.warning("trial %d failed: %s", trial.number, error)
+        study.tell(number, state=state.FAIL)
+        log.warning("trial %d failed: %s", number, error)
         return error
 
     def _report(self, study: Any, sweep_dir: Path) -> None:
@@ -241,6 +283,13 @@ class OptunaSweeper(Sweeper):
                  OmegaConf.select(self.config, "checkpoint.monitor", default="objective"),
                  best.value, " ".join(f"{k}={v}" for k, v in best.params.items()),
                  sweep_dir / RESULTS)
+
+
+def _has_study(storage: Any, study_name: str) -> bool:
+    import optuna
+
+    return any(summary.study_name == study_name
+               for summary in optuna.get_all_study_summaries(storage, include_best_trial=False))
 
 
 def quoted(value: str) -> str:

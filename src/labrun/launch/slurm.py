@@ -112,6 +112,40 @@ class SlurmLauncher(sweep.SweepLauncher):
     def manifest_extra(self) -> dict[str, Any]:
         return {"snapshot": str(self._snapshot or "")}
 
+    def submit_controller(self, argv: list[str]) -> dict[str, Any]:
+        """The controller: one job in a CPU slot (cluster.controller) that runs the study's
+        command from a snapshot of the code taken now; its trials run that snapshot too."""
+        import submitit
+
+        cluster, sweep_dir = self.config.cluster, self.sweep_dir
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        snapshot = sweep_dir / ".code" / f"study-{stamp}" if cluster.snapshot else None
+        params = executor_parameters(cluster, self.config, snapshot)
+        for key in ("slurm_array_parallelism", "gpus_per_node", "mem_gb", "slurm_qos",
+                    "slurm_partition"):
+            params.pop(key, None)
+        controller = cluster.controller
+        params.update(
+            {key: value for key, value in {
+                "name": f"labrun-study-{self.config.hydra.job.name}",
+                "slurm_partition": controller.partition, "slurm_qos": controller.qos,
+                "slurm_account": controller.account or cluster.account,
+                "cpus_per_task": controller.cpus_per_task, "mem_gb": controller.mem_gb,
+                "timeout_min": controller.timeout_min, "nodes": 1, "tasks_per_node": 1,
+            }.items() if value is not None})
+        with code_snapshot(snapshot):
+            executor = submitit.AutoExecutor(folder=sweep_dir / ".submitit" / f"study-{stamp}",
+                                             cluster="slurm",
+                                             slurm_max_num_timeout=cluster.max_num_timeout)
+            executor.update_parameters(**params)
+            # Its own command: attached (it is where the study waits), the code it runs
+            # already a snapshot, and the sweep folder absolute.
+            handle = executor.submit(StudyController(
+                [*argv, "cluster.detach=false", "cluster.snapshot=false",
+                 f"hydra.sweep.dir={sweep_dir}"], os.getcwd()))
+        return {"job_id": handle.job_id, "log": str(handle.paths.stdout),
+                "submitted_at": time.time(), "snapshot": str(snapshot or "")}
+
     def ended(self, jobs: list[Job]) -> list[Job]:
         """Asks SLURM about all of them at once. squeue first: it is right about a job requeued
         a moment ago (after its node failed, say), which accounting still shows as NODE_FAIL."""
@@ -144,6 +178,37 @@ class SlurmLauncher(sweep.SweepLauncher):
             SlurmScheduler().cancel(ids)
         for job in jobs:
             job.state = "cancelled"
+
+
+class StudyController:
+    """What a detached study's controller job runs: the study's own command (`python train.py
+    -m hparams_search=optuna ...`, attached), in a process of its own whose environment holds
+    none of the controller job's SLURM variables, so that the trials it submits are jobs of
+    their own and not steps of it. Requeued (a preemption, its node failing, USR2 before its
+    time limit, within cluster.max_num_timeout), it runs the command again, which continues
+    the study and attaches to the trials in flight (launch/optuna_sweeper.py)."""
+
+    def __init__(self, argv: list[str], cwd: str):
+        self.argv, self.cwd = argv, cwd
+
+    def __call__(self) -> int:
+        import subprocess
+        import sys
+
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))}
+        code = subprocess.run([sys.executable, "train.py", "-m", *self.argv], cwd=self.cwd,
+                              env=env, check=False).returncode
+        if code != 0:
+            raise LabrunError(f"the study's sweeper exited with code {code}; its output is in "
+                              f"this job's log")
+        return code
+
+    def checkpoint(self, *args: Any) -> Any:
+        """submitit calls it on USR2 (the time limit near): requeue; the study continues."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args)
 
 
 def failure_reason(job: Job, state: str) -> str | None:

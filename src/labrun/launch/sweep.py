@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from labrun.config import facts, validation
 from labrun.core import environment
-from labrun.core.errors import LabrunError
+from labrun.core.errors import ConfigError, LabrunError
 from labrun.core.scheduler import LIVE_STATES, Scheduler, path_of
 from labrun.runs import lock as run_lock
 from labrun.runs.rundir import RunDir
@@ -88,6 +88,13 @@ class SweepLauncher(Launcher):
         """The launcher's own keys in jobs.json."""
         return {}
 
+    def submit_controller(self, argv: list[str]) -> dict[str, Any]:
+        """Submit a detached study's controller, a job running `train.py ARGV` (the study's
+        own command, attached); returns its record for jobs.json's "controller"."""
+        raise ConfigError(f"cluster.detach=true for an Optuna study needs a SLURM cluster "
+                          f"(cluster=lab), where the study runs as a job of its own; "
+                          f"cluster={self.config.cluster.name} runs it in this terminal")
+
     # -- in the launching process: the sweep -----------------------------------------------------
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
@@ -123,6 +130,12 @@ class SweepLauncher(Launcher):
         self.record([job])
         return job
 
+    def reattach(self, overrides: list[str], num: int) -> Job | None:
+        """Job `num`, if an earlier launch started it and it still runs: attached to (waited
+        for from now on); None otherwise, with nothing started."""
+        job = plan(self.hydra_context, self.config, [overrides], num)[0]
+        return job if self._attach([job]) else None
+
     def wait_any(self, jobs: list[Job]) -> list[Job]:
         """Wait until at least one of `jobs` has ended (a skipped one has); return those that
         have, with their results read from their own run folders and recorded."""
@@ -146,12 +159,12 @@ class SweepLauncher(Launcher):
                      len(attached), ", ".join(f"{job.num} ({job.job_id})" for job in attached))
         return attached
 
-    def record(self, jobs: list[Job]) -> None:
-        """These jobs' rows of jobs.json (the others stay), for `labrun status`, which asks the
-        scheduler named there about the jobs."""
+    def record(self, jobs: list[Job], **extra: Any) -> None:
+        """These jobs' rows of jobs.json (the other rows and keys stay), for `labrun status`,
+        which asks the scheduler named there about the jobs; `extra`: keys of the caller's."""
         SweepDir(self.sweep_dir).write_jobs(self.scheduler.name, jobs,
                                             scheduler=path_of(self.scheduler),
-                                            **self.manifest_extra())
+                                            **self.manifest_extra(), **extra)
 
     def finish(self, jobs: list[Job]) -> list[JobReturn]:
         """Every job's result from its own run folder, jobs.json, the table, Hydra's returns."""

@@ -48,10 +48,21 @@ def not_ended(backend: str, scheduler_path: str | None, jobs: list[Job]) -> list
 
 
 def cancel(sweep_dir: Path) -> list[Job]:
-    """Cancel the sweep's jobs that have not ended; return them (recorded in jobs.json)."""
+    """Cancel the sweep's jobs that have not ended, a detached study's controller first (it
+    would submit more trials); return the jobs cancelled (recorded in jobs.json)."""
     sweep = SweepDir(sweep_dir.resolve())
     manifest = sweep.read_jobs()
     backend, jobs = manifest["backend"], manifest["jobs"]
+    controller = manifest.get("controller")
+    if controller and controller.get("job_id"):
+        named = scheduler.named(backend, manifest.get("scheduler"))
+        if named.job_states([controller["job_id"]]).get(controller["job_id"]) in LIVE_STATES:
+            named.cancel([controller["job_id"]])
+            manifest["controller"] = {**controller, "state": "cancelled",
+                                      "cancelled_at": time.time()}
+            log.info("the study's controller (%s): cancelled", controller["job_id"])
+        manifest = {**manifest, "jobs": sweep.read_jobs()["jobs"]}  # what it recorded last
+        jobs = manifest["jobs"]
     live = not_ended(backend, manifest.get("scheduler"), jobs)
     if backend == LocalScheduler.name:
         for job in live:

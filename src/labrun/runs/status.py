@@ -28,6 +28,7 @@ from labrun.runs.sweepdir import (
     MANIFEST,
     Job,
     SweepDir,
+    open_storage,
     print_table,
     read_result,
 )
@@ -138,6 +139,45 @@ def collect(path: Path) -> Status:
     return Status(path, kind, backend, jobs, {job.num: measure(job.run_dir) for job in jobs})
 
 
+def study_lines(path: Path) -> list[str]:
+    """An Optuna study's progress, for a sweep folder that holds one (jobs.json's "study"):
+    its trials by state, the best so far with its parameters, and a detached study's
+    controller job and its state."""
+    manifest = SweepDir(path).read_jobs()
+    study_record = manifest.get("study")
+    if not study_record:
+        return []
+    import optuna
+
+    storage = optuna.storages.get_storage(open_storage(study_record["storage"]))
+    try:
+        study = optuna.load_study(study_name=study_record["name"], storage=storage)
+    except KeyError:
+        return [f"study {study_record['name']}: no trial yet"]
+    counts: dict[str, int] = {}
+    for trial in study.get_trials(deepcopy=False):
+        counts[trial.state.name.lower()] = counts.get(trial.state.name.lower(), 0) + 1
+    lines = [f"study {study_record['name']}: {study_record['n_trials']} trials wanted; "
+             + ", ".join(f"{counts.get(k, 0)} {name}" for k, name in (
+                 ("complete", "finished"), ("running", "running"), ("pruned", "pruned"),
+                 ("fail", "failed")))]
+    try:
+        best = study.best_trial
+        params = " ".join(f"{key}={value}" for key, value in best.params.items())
+        lines.append(f"best so far: trial {best.number}, {best.value:.4g} with {params}")
+    except ValueError:  # no trial completed yet
+        lines.append("best so far: none (no trial completed yet)")
+    controller = manifest.get("controller")
+    if controller:
+        state = controller.get("state", "")
+        if state != "cancelled":
+            state = scheduler_states(manifest, [controller["job_id"]]).get(
+                controller["job_id"], state)
+        lines.append(f"controller: SLURM job {controller['job_id']}, {state} "
+                     f"(log {controller['log']})")
+    return lines
+
+
 def show(path: Path, as_json: bool = False) -> None:
     """Print the table (or JSON) of the jobs as they are now, then each verdict's fix."""
     status = collect(path)
@@ -146,6 +186,9 @@ def show(path: Path, as_json: bool = False) -> None:
         return
     print_table(status.jobs, status.title, efficiency=status.efficiency,
                 sweep=status.kind == "sweep")
+    if status.kind == "sweep":
+        for line in study_lines(status.path):
+            print(line)
     for job in status.jobs:
         figures = status.efficiency[job.num]
         if figures.fix:

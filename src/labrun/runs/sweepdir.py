@@ -5,6 +5,7 @@
                       each Job row: its current attempt (job_id, state, log, times) and
                       `attempts`, the earlier ones, so a job submitted again loses no record
       0/, 1/, ...     one run folder per job (RunDir)
+      optuna.journal  an Optuna study's storage (hparams_search=optuna; open_storage)
 
 The launchers (labrun.launch) write jobs.json as jobs start and end; `labrun status` reads it.
 Each job's outcome comes from its own run folder (read_result), never from the launcher's
@@ -89,15 +90,14 @@ class SweepDir:
         return self.path / MANIFEST
 
     def write_jobs(self, backend: str, jobs: list[Job], **extra: Any) -> None:
-        """jobs.json: every job of the sweep so far (a search launches its trials in batches,
-        so rows of earlier batches are kept)."""
+        """jobs.json with these jobs' rows (the other rows, and the other keys, stay: a search
+        records its trials one by one, a detached study its controller)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        rows = {row["num"]: row for row in
-                (json.loads(self.jobs_path.read_text())["jobs"] if self.jobs_path.is_file()
-                 else [])}
+        old = json.loads(self.jobs_path.read_text()) if self.jobs_path.is_file() else {}
+        rows = {row["num"]: row for row in old.get("jobs", [])}
         rows.update({job.num: {k: v for k, v in asdict(job).items() if k != "config"}
                      for job in jobs})
-        data = {"backend": backend, "jobs": [rows[num] for num in sorted(rows)], **extra}
+        data = {**old, "backend": backend, "jobs": [rows[num] for num in sorted(rows)], **extra}
         # Atomic: the local launcher rewrites it as each job ends, while `labrun status` may read.
         write_json_atomic(self.jobs_path, data)
 
@@ -114,6 +114,19 @@ class SweepDir:
         data = json.loads(self.jobs_path.read_text())
         data["jobs"] = [Job(**row) for row in data["jobs"]]
         return data
+
+
+def open_storage(spec: str) -> Any:
+    """The study's storage: a database URL as Optuna takes it (sqlite:///..., postgresql://...),
+    or else the path of a journal file, the storage Optuna made for many processes on a shared
+    file system (appends under a lock file made with symlink(), which NFS performs
+    atomically)."""
+    if "://" in spec:
+        return spec
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    return JournalStorage(JournalFileBackend(spec))
 
 
 def read_result(job: Job) -> None:

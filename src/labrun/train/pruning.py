@@ -26,6 +26,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+from labrun.runs.sweepdir import open_storage
 from labrun.train.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -37,19 +38,6 @@ log = logging.getLogger(__name__)
 
 # The study's user attribute holding the pruner's config (a `_target_` dict, or None).
 PRUNER_ATTR = "labrun.pruner"
-
-
-def open_storage(spec: str) -> Any:
-    """The study's storage: a database URL as Optuna takes it (sqlite:///..., postgresql://...),
-    or else the path of a journal file, the storage Optuna made for many processes on a shared
-    file system (appends under a lock file made with symlink(), which NFS performs
-    atomically)."""
-    if "://" in spec:
-        return spec
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    return JournalStorage(JournalFileBackend(spec))
 
 
 def build_pruner(config: dict[str, Any] | None) -> optuna.pruners.BasePruner:
