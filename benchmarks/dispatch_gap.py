@@ -2,8 +2,8 @@
 
     python benchmarks/dispatch_gap.py SWEEP_DIR --n-jobs 2
 
-- the dispatch gap: from a trial's end to the next trial's start (summary started_at, taken as
-  training begins), for each trial after the first n_jobs, against the latest end before it;
+- the dispatch gap: from each trial's end to the next trial's start (summary started_at, taken
+  as training begins): a slot idles that long, start-up included;
 - slot occupancy: the sum of the trials' wall times over n_jobs times the study's wall time
   (1.0: no slot ever idle).
 
@@ -29,11 +29,14 @@ def trials(sweep_dir: Path) -> list[tuple[float, float]]:
 
 
 def measure(spans: list[tuple[float, float]], n_jobs: int) -> dict[str, float]:
+    """Gaps: for each trial's end, the wait until the next trial after it starts (ends after
+    the last start are the study's tail: no trial was left to start)."""
+    starts = sorted(start for start, _ in spans)
     gaps = []
-    for start, _ in spans[n_jobs:]:
-        ended_before = [end for _, end in spans if end <= start]
-        if ended_before:
-            gaps.append(start - max(ended_before))
+    for _, end in spans:
+        later = [start for start in starts if start > end]
+        if later:
+            gaps.append(later[0] - end)
     wall = max(end for _, end in spans) - min(start for start, _ in spans)
     busy = sum(end - start for start, end in spans)
     return {"trials": len(spans), "gap_median_s": statistics.median(gaps) if gaps else 0.0,
