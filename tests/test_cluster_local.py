@@ -164,7 +164,7 @@ def test_an_interrupted_optuna_search_continues_its_study(tmp_path):
     # The rest of the search: one retried trial, well under two minutes (see above).
     result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "continuing study train: 2 trials finished, 1 to go" in result.stdout
+    assert "continuing study train: 2 trials finished, 0 running, 1 to go" in result.stdout
     # The study is a journal file in the sweep folder (Optuna's storage for many processes on a
     # shared file system), not the SQLite file of hydra-optuna-sweeper.
     assert not (tmp_path / "optuna.db").exists()
