@@ -195,10 +195,9 @@ class StudyController:
         import subprocess
         import sys
 
-        env = {key: value for key, value in os.environ.items()
-               if not key.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))}
         code = subprocess.run([sys.executable, "train.py", "-m", *self.argv], cwd=self.cwd,
-                              env=env, check=False).returncode
+                              env=SlurmScheduler.outside_job(os.environ),
+                              check=False).returncode
         if code != 0:
             raise LabrunError(f"the study's sweeper exited with code {code}; its output is in "
                               f"this job's log")

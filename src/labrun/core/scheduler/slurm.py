@@ -108,6 +108,13 @@ class SlurmScheduler:
             ranks=ranks, first_node=hostnames(nodelist)[0] if nodelist else None,
             recorded={k: env[k] for k in RECORDED if k in env})
 
+    @staticmethod
+    def outside_job(env: Mapping[str, str]) -> dict[str, str]:
+        """`env` without the variables SLURM (and sbatch, and submitit) set in a job: for a
+        process in a job that submits jobs of its own, which must not inherit them."""
+        return {key: value for key, value in env.items()
+                if not key.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))}
+
     # -- jobs --------------------------------------------------------------------------------
 
     def _rows(self, *args: str) -> list[list[str]]:
