@@ -77,6 +77,21 @@ def run_labrun(*args: str, check: bool = True, timeout: int = 300, cwd: Path = P
     return result
 
 
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Until `text` appears in the file `path` (a process's log); fails if `proc` ends first or
+    time runs out, with what the file holds."""
+    deadline = time.time() + timeout
+    while not (path.is_file() and text in path.read_text(errors="replace")):
+        assert proc.poll() is None and time.time() < deadline, path.read_text(errors="replace")
+        time.sleep(0.1)
+
+
+def holder_pid(run_dir: Path) -> int:
+    """The process training in `run_dir`: the holder its lock file names (the test cluster's
+    nodes share this machine's process ids: a network, host-name and mount namespace each)."""
+    return json.loads((run_dir / ".lock").read_text())["pid"]
+
+
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 

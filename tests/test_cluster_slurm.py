@@ -24,11 +24,13 @@ from conftest import (
     PROJECT,
     PYTHON,
     assert_identical,
+    holder_pid,
     manifest,
     read_metrics,
     read_summary,
     slurm_configured,
     wait_for,
+    wait_for_text,
 )
 
 pytestmark = pytest.mark.slurm
@@ -227,17 +229,6 @@ def sweep_jobs_since(start: str) -> set[str]:
     return set(out.split())
 
 
-def holder_pid(run_dir: Path) -> int:
-    """The process training in `run_dir` (its lock's holder), on its node: the test nodes share
-    this machine's process ids (a network, host-name and mount namespace each)."""
-    return json.loads((run_dir / ".lock").read_text())["pid"]
-
-
-def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not (path.is_file() and text in path.read_text(errors="replace")):
-        assert proc.poll() is None and time.time() < deadline, path.read_text(errors="replace")
-        time.sleep(0.2)
 
 
 def test_a_sweep_outlives_sighup_and_the_same_command_attaches_without_submitting(tmp_path):

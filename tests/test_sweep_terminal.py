@@ -15,14 +15,19 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import FAST, LABRUN, PROJECT, PYTHON, manifest, read_summary
+from conftest import (
+    FAST,
+    LABRUN,
+    PROJECT,
+    PYTHON,
+    holder_pid,
+    manifest,
+    read_summary,
+    wait_for_text,
+)
 
 TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
 
-
-def holder_pid(run_dir: Path) -> int:
-    """The process training in `run_dir`: the holder its lock file names."""
-    return json.loads((run_dir / ".lock").read_text())["pid"]
 
 
 def wait_for_file(path: Path, log: Path, proc: subprocess.Popen, timeout: float) -> None:
@@ -31,12 +36,6 @@ def wait_for_file(path: Path, log: Path, proc: subprocess.Popen, timeout: float)
         assert proc.poll() is None and time.time() < deadline, log.read_text(errors="replace")
         time.sleep(0.1)
 
-
-def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not (path.is_file() and text in path.read_text(errors="replace")):
-        assert proc.poll() is None and time.time() < deadline, path.read_text(errors="replace")
-        time.sleep(0.1)
 
 
 def test_a_local_sweep_outlives_sighup_and_the_same_command_attaches(tmp_path):
