@@ -11,15 +11,19 @@ from omegaconf import DictConfig
 
 from labrun.cli.hydra_app import exit_on_user_error, run_hydra_app
 from labrun.config import schema as config
+from labrun.config import validation
 
 config.register()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from labrun.train.job import train  # imported here so `--help` and `--cfg` stay fast
-
     with exit_on_user_error():
+        # A mistake in the config is one line before torch loads (seconds of imports); the
+        # job is imported only then, which also keeps `--help` and `--cfg` fast.
+        validation.validate(cfg)
+        from labrun.train.job import train
+
         return train(cfg)
 
 

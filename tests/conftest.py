@@ -22,6 +22,14 @@ LABRUN = str(Path(PYTHON).with_name("labrun"))
 # Fast, CPU-only, no W&B: the defaults of every test run unless a test says otherwise.
 FAST = ["logger=csv", "trainer.progress=log", "dataset.num_workers=0"]
 
+# One intra-op thread for torch in every process the tests start (they inherit it, and so do
+# the SLURM jobs they submit): `make test` runs two xdist workers on two cores, so a process with
+# two threads waits at every parallel region for the thread that the other worker's process has
+# descheduled, and spins meanwhile. Measured here with the suite running beside it: the
+# DETERMINISTIC run took 94 s and 33 CPU-s with two threads, 29 s and 18 CPU-s with one.
+# Every comparison of weights is between runs made with this same setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def run_train(*overrides: str, run_dir: Path | None = None, check: bool = True,
               env: dict[str, str] | None = None, timeout: int = 300

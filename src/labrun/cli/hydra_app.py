@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 
 # user_error_message is re-exported: the one-line messages live with the config they explain.
 from labrun.config.messages import user_error_message  # noqa: F401
+from labrun.core.errors import RunInterrupted
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -42,8 +43,6 @@ def exit_on_user_error():
 
 def _print_if_expected(error: BaseException) -> int | None:
     """Print the one line for an interruption or a user error; return the exit code."""
-    from labrun.train.trainer import RunInterrupted
-
     if isinstance(error, RunInterrupted | KeyboardInterrupt):
         print(f"interrupted: {error}" if str(error) else "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -16,6 +16,11 @@ class DataError(LabrunError):
     """A data file or folder that cannot be read; the message names the file and the fix."""
 
 
+class RunInterrupted(LabrunError):
+    """A stop signal arrived; a checkpoint was saved at the step boundary that followed.
+    Here, not in train/trainer.py, so that the entries' error path needs no torch."""
+
+
 def first_line(text: str) -> str:
     """The first line of a (possibly multi-line) message."""
     return text.strip().splitlines()[0] if text.strip() else text

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from labrun import data, models
 from labrun.config import facts, validation
 from labrun.core import environment
-from labrun.core.errors import ConfigError, LabrunError, one_line
+from labrun.core.errors import ConfigError, LabrunError, RunInterrupted, one_line
 from labrun.core.project import PROJECT_DIR
 from labrun.runs import lock as run_lock
 from labrun.runs import provenance
@@ -32,7 +32,7 @@ from labrun.track import loggers as tracking
 from labrun.train import distributed
 from labrun.train.checkpoint import CheckpointManager
 from labrun.train.checkpoint import load as load_checkpoint
-from labrun.train.trainer import RunInterrupted, Trainer
+from labrun.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import labrun
 from labrun.core import environment
-from labrun.core.errors import LabrunError, one_line
+from labrun.core.errors import LabrunError, RunInterrupted, one_line
 from labrun.data import Data
 from labrun.data.transforms import BatchNormalizer
 from labrun.models import unwrap
@@ -43,10 +43,6 @@ from labrun.train.nonfinite import NonFiniteWatch
 from labrun.train.precision import Precision
 from labrun.train.progress import ProgressReporter, StepWindow
 from labrun.train.stop_signals import StopSignals
-
-
-class RunInterrupted(LabrunError):
-    """A stop signal arrived; a checkpoint was saved at the step boundary that followed."""
 
 
 class NonFiniteLoss(LabrunError):
