@@ -153,7 +153,16 @@ if [ "${1:-}" = --restart-node ]; then
 fi
 
 # ---- 0. Already up? -------------------------------------------------------------------------
+# tests/test_sweep_scale.py sets a small MaxArraySize and puts SLURM's default back when done; a
+# run killed in between would leave it, so a healthy cluster gets the default back here.
+reset_max_array_size() {
+    grep -q '^MaxArraySize=' /etc/slurm/slurm.conf || return 0
+    sed -i '/^MaxArraySize=/d' /etc/slurm/slurm.conf
+    timeout 30 scontrol reconfigure >/dev/null || die "scontrol reconfigure failed"
+    log "MaxArraySize is SLURM's default again (a test had changed it)"
+}
 if [ -d "$STATE/pids" ] && command -v sinfo >/dev/null && healthy; then
+    reset_max_array_size
     summary
     exit 0
 fi

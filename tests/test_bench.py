@@ -15,9 +15,11 @@ from labrun import cli
 from labrun.bench import Target, judge, report
 from labrun.bench import data as bench_data
 from labrun.bench import serve as bench_serve
+from labrun.bench import sweep as bench_sweep
 from labrun.bench import trainer as bench_trainer
 from labrun.bench.data import DATA_TARGETS
 from labrun.bench.serve import SERVE_TARGETS, serve_targets, serving_bound
+from labrun.bench.sweep import SWEEP_TARGETS
 from labrun.bench.trainer import STARTUP_TARGETS, TRAINER_TARGETS
 
 REQUIRED_SPEEDUP = next(t for t in DATA_TARGETS if t.figure == "speedup").bound
@@ -144,6 +146,10 @@ def fake_benchmarks(monkeypatch, speedup: float, ratio: float, difference_s: flo
                     "difference_s": difference_s}, STARTUP_TARGETS))
     monkeypatch.setattr(bench_serve, "run", lambda args: judge(
         "serve", serve_figures(errors, to_ceiling), serve_targets("cpu")))
+    # The sweep benchmark submits to a SLURM cluster; its figures here meet every target.
+    monkeypatch.setattr(bench_sweep, "run", lambda args: judge(
+        "sweep", {"ms_per_job": 10.0, "hydra_ms_per_job": 200.0, "speedup": 20.0,
+                  "queries_per_pass": 1}, SWEEP_TARGETS))
 
 
 def test_bench_all_check_through_the_cli_names_every_miss_and_exits_1(monkeypatch, capsys):
@@ -169,7 +175,8 @@ def test_bench_all_check_through_the_cli_exits_0_when_all_are_met(monkeypatch, c
     table = out[out.index("benchmark targets"):]
     for figure in ("data speedup", "data of_ceiling", "trainer ratio", "startup difference_s",
                    "serve errors", "serve ratio_to_ceiling", "serve ratio_to_bound",
-                   "serve ratio_batched_to_unbatched", "serve p99_1_to_bound"):
+                   "serve ratio_batched_to_unbatched", "serve p99_1_to_bound",
+                   "sweep ms_per_job", "sweep queries_per_pass"):
         assert f" {figure} " in table, figure
     assert cli.main(["bench", "all"]) == 0
 

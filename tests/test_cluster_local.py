@@ -63,6 +63,11 @@ def test_four_jobs_two_at_a_time_on_distinct_gpus(tmp_path):
         # The job's own record of its training lies inside the launcher's record of its process:
         # the launcher's times really bracket the process that ran.
         assert row["started_at"] < summary["started_at"] <= summary["ended_at"] < row["ended_at"]
+        # A sweep job's checkpoint.on_finish is best_last: its step files went once it finished.
+        config = (Path(row["dir"]) / ".hydra" / "config.yaml").read_text()
+        assert "on_finish: best_last" in config
+        assert sorted(p.name for p in (Path(row["dir"]) / "checkpoints").iterdir()) == \
+            ["best.pt", "last.pt"]
 
     # Counted on the launcher's record of each job's whole process, not on the jobs' training
     # windows (a job spends most of its life starting up, so two jobs that run at the same time
@@ -220,6 +225,18 @@ def test_ctrl_c_in_a_terminal_stops_each_job_with_a_checkpoint(tmp_path):
         assert read_summary(Path(row["dir"]))["status"] == "interrupted"
         log = Path(row["log"]).read_text()
         assert "interrupted: SIGTERM at step" in log and "SIGINT" not in log
+    # Interrupted jobs keep what they resume from, even from `labrun gc --keep-best 0`.
+    before = {row["num"]: sorted(p.name for p in (Path(row["dir"]) / "checkpoints").iterdir())
+              for row in job_rows(tmp_path)}
+    gc = subprocess.run([LABRUN, "gc", str(tmp_path), "--keep-best", "0"], capture_output=True,
+                        text=True, timeout=120)
+    assert gc.returncode == 0, gc.stderr
+    assert "job 0: interrupted, kept whole to resume from" in gc.stdout
+    assert f"freed 0 bytes in 0 files of {tmp_path}" in gc.stdout
+    for row in job_rows(tmp_path):
+        kept = sorted(p.name for p in (Path(row["dir"]) / "checkpoints").iterdir())
+        assert kept == before[row["num"]] and "last.pt" in kept
+        assert any(name.startswith("step-") for name in kept)
 
 
 def test_usr2_checkpoints_and_requeues_a_job_which_then_completes(tmp_path):

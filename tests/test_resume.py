@@ -29,16 +29,16 @@ def start(run_dir: Path) -> subprocess.Popen:
     return start_train(*RUN, run_dir=run_dir)
 
 
-@pytest.mark.parametrize("kill_after", ["step-00000022.pt", "step-00000035.pt"],
-                         ids=["after-epoch-1", "mid-epoch-2"])
-def test_killed_run_resumes_to_identical_weights(tmp_path, reference_weights, kill_after):
+def test_killed_run_resumes_to_identical_weights_from_an_epochs_end(tmp_path, reference_weights):
+    """kill -9 just after the checkpoint at the end of epoch 1 (step 22): the resumed run starts
+    epoch 2 from its first sample. (Kills at random moments, mid-epoch among them, and where
+    each resumed from: tests/faults/test_kills.py.)"""
     run_dir = tmp_path / "run"
     proc = start(run_dir)
-    wait_for(run_dir / "checkpoints" / kill_after, proc)
-    # The kill lands a moment after that checkpoint: mid-epoch 2 for step 35 on an idle
-    # machine, possibly a few steps later on a loaded one; wherever it lands, the resumed run
-    # must end identical. It only has to land before the run ends (31 or more steps and two
-    # evaluations later: many seconds even on an idle machine), and the exit code shows it did.
+    wait_for(run_dir / "checkpoints" / "step-00000022.pt", proc)
+    # The kill lands a moment after that checkpoint, possibly a few steps later on a loaded
+    # machine; wherever it lands, the resumed run must end identical. It only has to land
+    # before the run ends (44 steps and two evaluations later), and the exit code shows it did.
     proc.kill()  # SIGKILL: no chance to save anything more
     # Its data workers see their parent gone within seconds and close the pipes; 60 s: a hang.
     proc.communicate(timeout=60)
@@ -53,8 +53,10 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, reference_weights, ki
 
 
 def test_sigterm_saves_at_the_next_step_and_resume_command_finishes(tmp_path, reference_weights):
+    """With checkpoint.on_finish=best_last: the interrupted run keeps its step files, which it
+    resumes from; the completed run keeps best.pt and last.pt alone."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir)
+    proc = start_train(*RUN, "checkpoint.on_finish=best_last", run_dir=run_dir)
     wait_for(run_dir / "checkpoints" / "step-00000010.pt", proc)
     # Any moment before the run ends will do (56 steps are left: many seconds, even idle).
     proc.send_signal(signal.SIGTERM)
@@ -63,11 +65,13 @@ def test_sigterm_saves_at_the_next_step_and_resume_command_finishes(tmp_path, re
     assert proc.returncode == 130
     assert f"resume with: labrun resume {run_dir}" in stderr
     assert read_summary(run_dir)["status"] == "interrupted"
+    assert list((run_dir / "checkpoints").glob("step-*.pt")), "an interrupted run lost its steps"
 
     from conftest import run_labrun
     run_labrun("resume", str(run_dir))
     assert read_summary(run_dir)["status"] == "completed"
     assert_identical(final_weights(run_dir), reference_weights)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
 
 
 def test_resume_refuses_a_changed_config(tmp_path):

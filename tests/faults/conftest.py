@@ -160,11 +160,24 @@ def load_checkpoint(path: Path) -> tuple[dict | None, str]:
 def checkpoints_lost(run_dir: Path, keep_last: int, saved: list[int]) -> list[str]:
     """Of the steps the run saved (`saved`), the newest `keep_last` step files must be there,
     load, hold that step and finite weights; last.pt must load and be the newest. Older step
-    files being gone is keep_last's rotation, not a loss."""
+    files being gone is keep_last's rotation, not a loss, and so is what checkpoint.on_finish
+    removed once the run finished: the step files (best_last, best), and last.pt where best.pt
+    is kept alone (best)."""
     import torch
+
+    from labrun.runs.rundir import RunDir
 
     problems = []
     folder = run_dir / "checkpoints"
+    folder_of = RunDir(run_dir)
+    finished = folder_of.summary_path.is_file() and \
+        folder_of.read_summary().get("status") in ("completed", "pruned")
+    saved_config = folder_of.saved_config_node() if finished else None
+    kept = saved_config.checkpoint.get("on_finish", "all") if saved_config is not None else "all"
+    if kept in ("best_last", "best"):
+        keep_last = 0
+    if kept == "best" and (folder / "best.pt").exists():
+        saved = []  # last.pt went too
     newest = saved[-keep_last:] if keep_last else []
     for step in newest:
         path = folder / f"step-{step:08d}.pt"

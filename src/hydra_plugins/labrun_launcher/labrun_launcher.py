@@ -5,9 +5,10 @@ labrun's (src/labrun/launch/) visible to it. `cluster=...` picks a launcher (con
 from dataclasses import dataclass, field
 from typing import Any
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeperConf
 from hydra.core.config_store import ConfigStore
 
-from labrun.launch import local, optuna_sweeper, slurm
+from labrun.launch import grid_sweeper, local, optuna_sweeper, slurm
 
 
 class LabrunLocalLauncher(local.LocalLauncher):
@@ -17,6 +18,16 @@ class LabrunLocalLauncher(local.LocalLauncher):
 
 class LabrunSlurmLauncher(slurm.SlurmLauncher):
     """cluster=lab / slurm_dev: a SLURM job array through submitit."""
+
+
+class LabrunGridSweeper(grid_sweeper.GridSweeper):
+    """hydra/sweeper=labrun_basic, the default: Hydra's basic (grid) sweeper, whose per-job
+    composition check the launcher's own makes redundant."""
+
+
+@dataclass
+class LabrunGridSweeperConf(BasicSweeperConf):
+    _target_: str = "hydra_plugins.labrun_launcher.labrun_launcher.LabrunGridSweeper"
 
 
 class LabrunOptunaSweeper(optuna_sweeper.OptunaSweeper):
@@ -42,5 +53,7 @@ class LabrunOptunaSweeperConf:
 
 
 # Stored when Hydra scans its plugins, before it composes a config.
+ConfigStore.instance().store(group="hydra/sweeper", name="labrun_basic",
+                             node=LabrunGridSweeperConf, provider="labrun")
 ConfigStore.instance().store(group="hydra/sweeper", name="labrun_optuna",
                              node=LabrunOptunaSweeperConf, provider="labrun")

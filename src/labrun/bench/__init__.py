@@ -2,6 +2,7 @@
 
     labrun bench data [--root DIR] [--images N] [--json FILE] [--check]
     labrun bench trainer | startup | serve      (trainer.py, serve.py)
+    labrun bench sweep [--jobs N]     submitting a held SLURM sweep (sweep.py)
     labrun bench all [--check]        every benchmark with its defaults (`make bench`)
 
 Each benchmark is a configure(parser) + run(args) pair, named in BENCHES by module and
@@ -51,4 +52,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "serve": ("labrun.bench.serve", "",
               "POST /predict through `labrun serve` (dynamic batching) vs the bare runtime's "
               "ceiling and vs --max-batch 1"),
+    "sweep": ("labrun.bench.sweep", "",
+              "submitting a held SLURM sweep of N jobs: ms a job vs Hydra's per-job compose, "
+              "SLURM queries a polling pass"),
 }

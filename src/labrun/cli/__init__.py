@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rerun": ("labrun.cli.rerun", "reproduce a run from scratch in a new folder"),
     "status": ("labrun.cli.status", "a sweep's or a run's jobs: state, metric, images/s, data wait, verdict"),
     "cancel": ("labrun.cli.cancel", "cancel a sweep's waiting and running jobs, from any terminal"),
+    "gc": ("labrun.cli.gc", "remove the checkpoints a finished sweep's jobs need not keep"),
     "queue": ("labrun.cli.queue", "the SLURM cluster: GPUs in use, fair share, pending jobs"),
     "compare": ("labrun.cli.compare", "compare runs: table, csv, markdown, plot"),
     "configs": ("labrun.cli.configs", "check or diff configs for review"),

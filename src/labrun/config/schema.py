@@ -61,6 +61,9 @@ class CheckpointConfig:
     monitor: str = "val/acc"
     mode: str = "max"  # max | min
     keep_last: int = key(3, resume_safe=True, affects_result=False)  # step-NNNNNNNN.pt history files kept beside last.pt and best.pt
+    # What a completed or pruned run keeps: all | best_last (best.pt, last.pt) | best (best.pt);
+    # auto: best_last in a sweep job, all in a single run (train/checkpoint.py, labrun gc)
+    on_finish: str = key("auto", resume_safe=True, affects_result=False)
     every_n_steps: int = key(0, resume_safe=True, affects_result=False)  # 0: only at the end of every epoch
     resume: str = key("auto", path=True, resume_safe=True, affects_result=False)  # auto | never | PATH to a checkpoint
 

@@ -27,6 +27,7 @@ CHOICES = {
     "trainer.nan_policy": ("stop", "skip"),
     "trainer.progress": ("auto", "bar", "log", "none"),
     "checkpoint.mode": ("max", "min"),
+    "checkpoint.on_finish": ("auto", "all", "best_last", "best"),
     "precision.name": ("fp32", "bf16", "fp16"),
     "logger.mode": ("auto", "online", "offline", "disabled"),
     "distributed.backend": ("auto", "nccl", "gloo"),

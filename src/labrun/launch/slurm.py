@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import re
 import shlex
 import shutil
@@ -34,8 +35,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from labrun.config import facts
 from labrun.core import environment, probes
 from labrun.core.errors import ConfigError, LabrunError, one_line
+from labrun.core.files import atomic_path
 from labrun.core.project import PROJECT_DIR
-from labrun.core.scheduler import LIVE_STATES, SlurmScheduler
+from labrun.core.scheduler import LIVE_STATES, ClusterLimits, SlurmScheduler
 from labrun.launch import SLURM_COMMENT_PREFIX, sweep
 from labrun.runs.sweepdir import Job, submitit_result
 
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 class SlurmLauncher(sweep.SweepLauncher):
     scheduler = SlurmScheduler
     POLL_S = POLL_S
+    POLL_MAX_S = 10.0  # one squeue (sacct too, for jobs squeue forgot) for all jobs a pass
 
     # -- in the job ----------------------------------------------------------------------------
 
@@ -74,40 +77,87 @@ class SlurmLauncher(sweep.SweepLauncher):
         self._unknown_since: dict[int, float] = {}  # job num -> when SLURM first did not know it
 
     def begin(self, jobs: list[Job]) -> None:
-        """Submit the jobs, one array per distinct resource request (a trial of a search: an
-        array of one); each job gets its SLURM id and log. Every submission of this launcher
-        runs one snapshot of the code, taken at its first."""
-        import submitit
-
+        """Submit the jobs as job arrays: one per distinct resource request (a trial of a
+        search: an array of one), split where it would exceed the cluster's MaxArraySize.
+        Each job gets its SLURM id and log. Every submission of this launcher runs one
+        snapshot of the code, taken at its first. Nothing is submitted when SLURM would refuse
+        part of it (check_resources, check_submission); an sbatch that fails half-way cancels
+        the arrays submitted before it."""
         cluster, sweep_dir = self.config.cluster, self.sweep_dir
         if self._stamp is None:
             self._stamp = time.strftime("%Y%m%d-%H%M%S")
             self._snapshot = sweep_dir / ".code" / self._stamp if cluster.snapshot else None
         # One array per distinct resource request: a sweep over trainer.devices, say, asks
         # for different tasks and GPUs per node.
-        arrays: dict[str, list[Job]] = {}
+        groups: dict[str, list[Job]] = {}
         for job in jobs:
             make_paths_absolute(job.config, sweep_dir)
             params = executor_parameters(job.config.cluster, self.config, self._snapshot)
-            arrays.setdefault(repr(sorted(params.items())), []).append(job)
-        for group in arrays.values():
-            check_resources(group[0].config.cluster)
-        state = Singleton.get_state()
-        with code_snapshot(self._snapshot):
-            for group in arrays.values():
-                executor = submitit.AutoExecutor(
-                    folder=sweep_dir / ".submitit" / self._stamp / "%j", cluster="slurm",
-                    slurm_max_num_timeout=group[0].config.cluster.max_num_timeout)
-                executor.update_parameters(
-                    **executor_parameters(group[0].config.cluster, self.config, self._snapshot))
-                handles = executor.map_array(self, [job.config for job in group],
-                                             [state] * len(group))
-                submitted_at = time.time()
-                for job, handle in zip(group, handles, strict=True):
-                    job.state, job.job_id = "submitted", handle.job_id
-                    job.log, job.submitted_at = str(handle.paths.stdout), submitted_at
-                    job.submitit_dir = str(handle.paths.folder)
-                    log.info("job %d: SLURM %s  log %s", job.num, handle.job_id, job.log)
+            groups.setdefault(repr(sorted(params.items())), []).append(job)
+        limits = cluster_limits()
+        for group in groups.values():
+            check_resources(group[0].config.cluster, limits)
+        check_submission(len(jobs), cluster, limits)
+        # Each request's jobs in arrays that fit the cluster. cluster.array_parallelism is
+        # SLURM's %N throttle, which holds per array: each array a request was split into
+        # starts once the one before it has ended, so that it holds for the request's jobs as
+        # for one array (detached, nothing is left running to meter them).
+        arrays = [(chunk, i > 0 and bool(cluster.array_parallelism))
+                  for group in groups.values()
+                  for i, chunk in enumerate(split(group, limits.max_array_size))]
+        submitted: list[str] = []
+        try:
+            with code_snapshot(self._snapshot):
+                for array, chained in arrays:
+                    submitted.append(self._submit_array(array, submitted[-1] if chained
+                                                        else None))
+        except Exception as error:
+            with contextlib.suppress(probes.SlurmError):
+                SlurmScheduler().cancel(submitted)
+            raise LabrunError(f"submitting the sweep failed after {len(submitted)} of "
+                              f"{len(arrays)} arrays ({one_line(error)}); those were "
+                              f"cancelled, nothing of the sweep is queued") from error
+
+    def _submit_array(self, jobs: list[Job], after: str | None) -> str:
+        """One job array of `jobs`, dependent on the array `after` (its SLURM id) ending;
+        returns the array's id."""
+        import submitit
+
+        params = executor_parameters(jobs[0].config.cluster, self.config, self._snapshot)
+        if after is not None:
+            extra = dict(params.get("slurm_additional_parameters", {}))
+            extra["dependency"] = ",".join(filter(None, [f"afterany:{after}",
+                                                         extra.get("dependency")]))
+            params["slurm_additional_parameters"] = extra
+        folder = self.sweep_dir / ".submitit" / self._stamp
+        executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm",
+                                         slurm_max_num_timeout=jobs[0].config.cluster.max_num_timeout)
+        executor.update_parameters(**params)
+        handles = executor.map_array(ArrayTask(self.shared_file(folder)),
+                                     [pickle.dumps(job.config) for job in jobs])
+        submitted_at = time.time()
+        # A line a job for a small sweep; a large one gets its arrays' lines (below) alone.
+        level = logging.INFO if len(jobs) <= 10 else logging.DEBUG
+        for job, handle in zip(jobs, handles, strict=True):
+            job.state, job.job_id = "submitted", handle.job_id
+            job.log, job.submitted_at = str(handle.paths.stdout), submitted_at
+            job.submitit_dir = str(handle.paths.folder)
+            log.log(level, "job %d: SLURM %s  log %s", job.num, handle.job_id, job.log)
+        log.info("jobs %d-%d: SLURM array %s%s", jobs[0].num, jobs[-1].num,
+                 handles[0].job_id.split("_")[0],
+                 f", after array {after} has ended" if after else "")
+        return handles[0].job_id.split("_")[0]
+
+    def shared_file(self, folder: Path) -> Path:
+        """The launcher and Hydra's singleton state, pickled once into `folder` for every task
+        of this submission (ArrayTask)."""
+        import cloudpickle  # submitit's pickler: the task function may be a __main__ function
+
+        path = folder / "launcher.pkl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp, open(tmp, "wb") as out:
+            cloudpickle.dump((self, Singleton.get_state()), out)
+        return path
 
     def manifest_extra(self) -> dict[str, Any]:
         return {"snapshot": str(self._snapshot or "")}
@@ -173,11 +223,36 @@ class SlurmLauncher(sweep.SweepLauncher):
         """Ctrl-C cancels the jobs (SIGHUP, the terminal gone, ends only this process, and the
         same command again attaches to them)."""
         ids = [job.job_id for job in jobs if job.job_id]
-        log.warning("interrupted: cancelling the sweep's %d jobs (%s)", len(ids), ", ".join(ids))
+        arrays = list(dict.fromkeys(job_id.split("_")[0] for job_id in ids))
+        log.warning("interrupted: cancelling the sweep's %d jobs (%s)", len(ids),
+                    ", ".join(ids) if len(ids) <= 10 else f"arrays {', '.join(arrays)}")
         with contextlib.suppress(probes.SlurmError):
             SlurmScheduler().cancel(ids)
         for job in jobs:
             job.state = "cancelled"
+
+
+class ArrayTask:
+    """What each task of a labrun job array runs: its job's config, pickled at submission by
+    the C pickler, with the launcher and Hydra's singleton state read from the one file
+    (SlurmLauncher.shared_file) that the submission wrote for all its tasks. submitit pickles
+    each task's call on its own, with cloudpickle: with the launcher and the state in every
+    one, a 1,500-job sweep spent most of its submission pickling the same objects again."""
+
+    def __init__(self, shared: Path):
+        self.shared = shared
+
+    def __call__(self, config: bytes) -> JobReturn:
+        with open(self.shared, "rb") as f:
+            launcher, state = pickle.load(f)
+        return launcher(pickle.loads(config), state)
+
+    def checkpoint(self, *args: Any) -> Any:
+        """submitit calls it on USR2 (see labrun.train.trainer): requeue the same task; the job
+        resumes from the checkpoint it just saved."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args)
 
 
 class StudyController:
@@ -310,33 +385,70 @@ class code_snapshot:  # noqa: N801 - used as a context manager, like submitit's 
             self.inner.__exit__(*exc)
 
 
-def partition_limits(partition: str | None) -> dict[str, int]:
-    """The largest node of `partition` (the default one when None): cpus, mem_mb, gpus."""
+def cluster_limits() -> ClusterLimits:
+    """The cluster's limits (core/scheduler: one sinfo, scontrol and sacctmgr each), or one
+    line on why SLURM cannot be asked."""
     try:
-        largest, default = SlurmScheduler().partitions()
+        return SlurmScheduler().limits()
     except probes.SlurmError as error:
         if error.kind in ("missing", "unconfigured"):
             raise LabrunError(f"{error}; use cluster=local, or submit from a login node"
                               ) from None
         raise LabrunError(f"{error}; is the SLURM controller up?") from None
-    wanted = partition or default
-    if wanted not in largest:
-        raise ConfigError(f"cluster.partition={wanted} does not exist; partitions: "
-                          f"{', '.join(sorted(largest)) or 'none'}")
-    node = largest[wanted]
-    return {"partition": wanted, "cpus": node.cpus, "mem_mb": node.mem_mb, "gpus": node.gpus}
 
 
-def check_resources(cluster: DictConfig) -> None:
+def split(jobs: list[Job], max_array_size: int | None) -> list[list[Job]]:
+    """`jobs` in arrays that fit the cluster: MaxArraySize N allows indices 0 to N - 1."""
+    size = max_array_size or len(jobs)
+    return [jobs[i:i + size] for i in range(0, len(jobs), size)]
+
+
+def check_resources(cluster: DictConfig, limits: ClusterLimits) -> None:
     """Fail now, in one line, on a request that would pend forever."""
-    limits = partition_limits(cluster.partition)
-    offer = (f"partition {limits['partition']} offers at most {limits['cpus']} CPUs, "
-             f"{limits['mem_mb'] // 1024} GB and {limits['gpus']} GPUs per node")
+    wanted = cluster.partition or limits.default_partition
+    if wanted not in limits.partitions:
+        raise ConfigError(f"cluster.partition={wanted} does not exist; partitions: "
+                          f"{', '.join(sorted(limits.partitions)) or 'none'}")
+    node = limits.partitions[wanted]
+    offer = (f"partition {wanted} offers at most {node.cpus} CPUs, "
+             f"{node.mem_mb // 1024} GB and {node.gpus} GPUs per node")
     cpus = cluster.cpus_per_task * cluster.tasks_per_node
-    if cpus > limits["cpus"]:
+    if cpus > node.cpus:
         raise ConfigError(f"cluster.cpus_per_task x tasks_per_node = {cpus} CPUs per node: "
                           f"{offer}")
-    if cluster.mem_gb and cluster.mem_gb * 1024 > limits["mem_mb"]:
+    if cluster.mem_gb and cluster.mem_gb * 1024 > node.mem_mb:
         raise ConfigError(f"cluster.mem_gb={cluster.mem_gb}: {offer}")
-    if cluster.gpus_per_node and cluster.gpus_per_node > limits["gpus"]:
+    if cluster.gpus_per_node and cluster.gpus_per_node > node.gpus:
         raise ConfigError(f"cluster.gpus_per_node={cluster.gpus_per_node}: {offer}")
+
+
+def check_submission(count: int, cluster: DictConfig, limits: ClusterLimits) -> None:
+    """Fail before anything is submitted, in one line naming the limit and the fix, when SLURM
+    would refuse some of `count` more jobs: the QOS's limits on submitted jobs per user or per
+    account, counting the jobs already queued, or the controller's MaxJobCount. Without
+    cluster.qos the association's default QOS applies, which is SLURM's "normal" unless an
+    admin set another; its limits are the ones checked."""
+    import getpass
+
+    scheduler = SlurmScheduler()
+    qos = cluster.qos or "normal"
+    fix = ("submit fewer jobs (fewer sweep values, hydra.sweeper.n_trials), wait for some to "
+           "end, or ask the cluster's admins to raise it")
+    qos_limits = limits.qos.get(qos)
+    checks = []
+    if qos_limits is not None and qos_limits.max_submit_per_user is not None:
+        checks.append((qos_limits.max_submit_per_user, "MaxSubmitJobsPerUser",
+                       f"QOS {qos} allows", "per user", {"user": getpass.getuser(), "qos": qos}))
+    if qos_limits is not None and qos_limits.max_submit_per_account is not None \
+            and cluster.account:
+        checks.append((qos_limits.max_submit_per_account, "MaxSubmitJobsPerAccount",
+                       f"QOS {qos} allows", f"for account {cluster.account}",
+                       {"account": cluster.account, "qos": qos}))
+    if limits.max_job_count:
+        checks.append((limits.max_job_count, "MaxJobCount", "the controller holds at most",
+                       "of all users at once", {}))
+    for limit, name, who, scope, query in checks:
+        queued = scheduler.queued(**query)
+        if queued + count > limit:
+            raise ConfigError(f"{who} {limit} queued jobs {scope} ({name}); {queued} are "
+                              f"queued and this sweep would add {count}: {fix}")

@@ -61,8 +61,10 @@ class Status:
                          "state": job.state, "monitor": summary.get("monitor", "val/acc"),
                          "metric": job.metric, "error": job.error, "job_id": job.job_id,
                          **self.efficiency[job.num].as_dict()})
+        disk = SweepDir(self.path).disk_use() if self.kind == "sweep" else None
         return {"path": str(self.path), "kind": self.kind, "backend": self.backend,
-                "jobs": jobs}
+                "jobs": jobs, "disk_bytes": disk[0] if disk else None,
+                "checkpoint_bytes": disk[1] if disk else None}
 
 
 def scheduler_states(manifest: dict[str, Any], job_ids: list[str]) -> dict[str, str]:
@@ -189,12 +191,22 @@ def show(path: Path, as_json: bool = False) -> None:
     if status.kind == "sweep":
         for line in study_lines(status.path):
             print(line)
+        print(disk_line(status.path))
     for job in status.jobs:
         figures = status.efficiency[job.num]
         if figures.fix:
             who = f"job {job.num}: " if status.kind == "sweep" else ""
             # Plain print: one unwrapped line per fix, whatever the terminal's width.
             print(f"{who}{figures.verdict}: {figures.reason}; {figures.fix}")
+
+
+def disk_line(path: Path) -> str:
+    """What the sweep folder holds on disk, for `labrun status` (`labrun gc` frees some)."""
+    from rich.filesize import decimal
+
+    total, checkpoints = SweepDir(path).disk_use()
+    return (f"disk: {decimal(total)}, of which checkpoints {decimal(checkpoints)} "
+            f"(labrun gc {path} --dry-run: what the finished jobs need not keep)")
 
 
 def not_ended(job: Job) -> bool:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from stat import S_ISREG
 from typing import TYPE_CHECKING, Any
 
 from hydra.core.utils import filter_overrides
@@ -95,8 +96,9 @@ class SweepDir:
         self.path.mkdir(parents=True, exist_ok=True)
         old = json.loads(self.jobs_path.read_text()) if self.jobs_path.is_file() else {}
         rows = {row["num"]: row for row in old.get("jobs", [])}
-        rows.update({job.num: {k: v for k, v in asdict(job).items() if k != "config"}
-                     for job in jobs})
+        # Not asdict(), which deep-copies every field, the job's whole config included.
+        rows.update({job.num: {f.name: getattr(job, f.name) for f in fields(job)
+                               if f.name != "config"} for job in jobs})
         data = {**old, "backend": backend, "jobs": [rows[num] for num in sorted(rows)], **extra}
         # Atomic: the local launcher rewrites it as each job ends, while `labrun status` may read.
         write_json_atomic(self.jobs_path, data)
@@ -106,6 +108,24 @@ class SweepDir:
         if not self.jobs_path.is_file():
             return {}
         return {job.num: job for job in self.read_jobs()["jobs"]}
+
+    def disk_use(self) -> tuple[int, int]:
+        """Bytes the sweep folder holds on disk, and of those its jobs' checkpoints/ folders;
+        a file under several names (best.pt and last.pt are hard links to a step file)
+        counts once."""
+        seen: set[tuple[int, int]] = set()
+        total = checkpoints = 0
+        for path in self.path.rglob("*"):
+            try:
+                stat = path.lstat()
+            except FileNotFoundError:  # removed while walking (a job's rotation)
+                continue
+            if not S_ISREG(stat.st_mode) or (stat.st_dev, stat.st_ino) in seen:
+                continue
+            seen.add((stat.st_dev, stat.st_ino))
+            total += stat.st_size
+            checkpoints += stat.st_size if path.parent.name == "checkpoints" else 0
+        return total, checkpoints
 
     def read_jobs(self) -> dict[str, Any]:
         """jobs.json with its "jobs" as Job objects; LabrunError when the folder has none."""

@@ -5,6 +5,10 @@ Layout of a run's checkpoints/ folder (after timm's CheckpointSaver):
     last.pt            the newest checkpoint (a hard link to the newest step file)
     best.pt            the checkpoint with the best monitored value so far
 
+What a run keeps once it has completed or been pruned is checkpoint.on_finish (`keep_on_finish`):
+everything (`all`), best.pt and last.pt (`best_last`, the sweep jobs' default) or best.pt alone
+(`best`); `labrun gc` applies the same to a sweep already on disk (train/checkpoint_gc.py).
+
 Every file is written to a temporary name, flushed to disk and renamed, so a file that exists
 under its final name is never half-written, even if the process is killed mid-save. Checkpoints
 are plain dicts of tensors and numbers (CheckpointState lists every key), loaded with
@@ -33,6 +37,9 @@ from labrun.runs.lock import ensure_owner
 from labrun.runs.rundir import RunDir
 
 STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
+# checkpoint.on_finish: what a completed or pruned run keeps. "auto" is best_last in a sweep job
+# (launch/sweep.py writes that into the job's config) and all in a single run.
+ON_FINISH = ("auto", "all", "best_last", "best")
 
 
 class CheckpointError(LabrunError):
@@ -167,6 +174,30 @@ class CheckpointManager:
         for path in history[:-self.keep_last] if self.keep_last else history:
             path.unlink(missing_ok=True)
 
+    # -- once the run has finished -------------------------------------------------------------
+
+    def keep_on_finish(self, policy: str, dry_run: bool = False) -> list[tuple[Path, int]]:
+        """Remove what a finished run's `policy` (checkpoint.on_finish; "none": every
+        checkpoint, for `labrun gc --keep-best`) does not keep; each removed file with the bytes
+        its removal freed. Safe to interrupt and to repeat: each name goes atomically, and a
+        second call finds nothing more to remove."""
+        ensure_owner(self.lock_path)
+        return remove_files(self.past_budget(policy), dry_run)
+
+    def past_budget(self, policy: str) -> list[Path]:
+        """The files `policy` removes: best_last the step files; best those and last.pt, unless
+        there is no best.pt (a run whose monitor never had a finite value) to keep instead;
+        none every checkpoint."""
+        if policy in ("all", "auto") or not self.folder.is_dir():
+            return []
+        files = self.history()
+        last, best = self.folder / "last.pt", self.folder / "best.pt"
+        if policy == "none" or (policy == "best" and best.exists()):
+            files.append(last)
+        if policy == "none":
+            files.append(best)
+        return [path for path in files if path.exists()]
+
     # -- finding and loading -------------------------------------------------------------------
 
     def history(self) -> list[Path]:
@@ -199,6 +230,25 @@ class CheckpointManager:
                 warnings.warn(f"skipping unreadable checkpoint: {error}", stacklevel=2)
         raise CheckpointError(f"no checkpoint in {self.folder} can be read; start over with "
                               f"checkpoint.resume=never (in a new folder)")
+
+
+def remove_files(paths: list[Path], dry_run: bool = False) -> list[tuple[Path, int]]:
+    """Remove `paths` (or, dry_run, only count them); each with the bytes its removal frees. A
+    step file, last.pt and best.pt may be one file under two or three names (hard links,
+    CheckpointManager._link): its bytes are freed with its last name, and counted there."""
+    links = {}  # inode -> names not yet removed, of the file's st_nlink in all
+    removed = []
+    for path in paths:
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # removed meanwhile (a second gc, say): nothing to free
+            continue
+        left = links.setdefault((stat.st_dev, stat.st_ino), stat.st_nlink) - 1
+        links[(stat.st_dev, stat.st_ino)] = left
+        if not dry_run:
+            path.unlink(missing_ok=True)
+        removed.append((path, stat.st_size if left == 0 else 0))
+    return removed
 
 
 # The "rng" entry of a checkpoint.

@@ -163,6 +163,10 @@ class Trainer:
             self._call("on_fit_end", status)
             self.folder.update_summary(status=status, error=error, epoch=self.epoch,
                                        step=self.step, ended_at=time.time())
+            if status in ("completed", "pruned") and self.dist.is_main:
+                # After summary.json says so: a kill in between leaves at most what
+                # `labrun gc` removes later. An unfinished run keeps what it resumes from.
+                self.checkpoints.keep_on_finish(self.cfg.checkpoint.on_finish)
             self.tracker.finish(status, self.folder.summary)
             self.write_rank_record(status, resumed_from)
 

@@ -64,6 +64,7 @@ class ClusterLimits:
     default_partition: str | None  # where a job that names no partition goes
     max_array_size: int | None  # array indices must be below it; None: no arrays or no limit
     qos: dict[str, QosLimits]
+    max_job_count: int | None = None  # jobs the controller holds at once, all users; None: any
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,11 @@ class Scheduler(Protocol):
 
     def limits(self) -> ClusterLimits:
         """Partitions and their largest node, the largest job array, the QOS submit limits."""
+
+    def queued(self, user: str | None = None, account: str | None = None,
+               qos: str | None = None) -> int:
+        """How many jobs (array elements each) wait or run now, of `user`, `account` and `qos`
+        where given: what a submit limit counts. One query."""
 
     def fair_share(self) -> list[FairShare]:
         """Every user's share of every account, for `labrun queue`."""

@@ -61,6 +61,10 @@ class LocalScheduler:
         node = NodeLimits(len(os.sched_getaffinity(0)), memory, probes.gpu_count())
         return ClusterLimits({PARTITION: node}, PARTITION, max_array_size=None, qos={})
 
+    def queued(self, user: str | None = None, account: str | None = None,
+               qos: str | None = None) -> int:
+        return 0  # no queue: a local job starts when a GPU is free
+
     def fair_share(self) -> list[FairShare]:
         return []
 

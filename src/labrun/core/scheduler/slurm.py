@@ -37,6 +37,10 @@ PROBE_PORT = 6817
 JOB_FIELDS = ["JobID", "UserName", "Account", "QOS", "State", "tres-alloc", "Reason",
               "PriorityLong", "Comment", "Name", "Partition"]
 DOWN_STATES = "down,drain,draining,fail,no_respond"
+# Every SLURM command labrun runs (here, and submitit's sbatch), for tools that count them
+# (`labrun bench sweep`'s shims).
+COMMANDS = ("squeue", "sacct", "scontrol", "sinfo", "sacctmgr", "sshare", "sbatch", "scancel",
+            "srun")
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -238,16 +242,31 @@ class SlurmScheduler:
 
     def limits(self) -> ClusterLimits:
         partitions, default = self.partitions()
-        return ClusterLimits(partitions, default, self.max_array_size(), self.qos_limits())
+        config = self.controller_config()
+        return ClusterLimits(partitions, default, _digits(config.get("MaxArraySize")),
+                             self.qos_limits(), _digits(config.get("MaxJobCount")))
 
     def max_array_size(self) -> int | None:
-        """MaxArraySize from the controller's running configuration (slurm.conf may not be
-        on this machine: configless clusters); 0 there means no arrays."""
+        """MaxArraySize from the controller's running configuration; 0 there means no
+        arrays."""
+        return _digits(self.controller_config().get("MaxArraySize"))
+
+    def controller_config(self) -> dict[str, str]:
+        """The controller's running configuration (`scontrol show config`: slurm.conf may not
+        be on this machine, on configless clusters), key -> value."""
+        config = {}
         for row in self._rows("scontrol", "show", "config"):
             key, _, value = row[0].partition("=")
-            if key.strip() == "MaxArraySize":
-                return _digits(value.strip())
-        return None
+            config[key.strip()] = value.strip()
+        return config
+
+    def queued(self, user: str | None = None, account: str | None = None,
+               qos: str | None = None) -> int:
+        # -r: each array element is one job to the limits; squeue's default states are those
+        # that count (pending, running, suspended, completing).
+        filters = [arg for flag, value in (("-u", user), ("-A", account), ("-q", qos))
+                   if value for arg in (flag, value)]
+        return len(self._rows("squeue", "-h", "-r", *filters, "-o", "%i"))
 
     def qos_limits(self) -> dict[str, QosLimits]:
         """Each QOS's submit and run limits per user and account, from accounting (sacctmgr);

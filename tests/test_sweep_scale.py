@@ -1,0 +1,167 @@
+"""Sweeps at lab scale, on the real test cluster, with every job held (`--hold`: nothing
+trains, nothing costs a CPU) and cancelled at the end: 1,500 jobs split at SLURM's MaxArraySize
+(1001 by default) and polled with one query a pass; a cluster whose MaxArraySize is 101, where
+array_parallelism holds across the arrays through their dependencies; and a QOS's submit limit,
+which refuses the sweep before anything is submitted."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from test_cluster_slurm import slurm  # noqa: F401 - the fixture that fails without a cluster
+
+from conftest import FAST, PROJECT, PYTHON, manifest
+
+pytestmark = pytest.mark.slurm
+
+HELD = ["cluster=slurm_dev", "+cluster.extra_sbatch.hold=true", *FAST]
+SLURM_CONF = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf"))
+TIMEOUT = 60  # any one SLURM command: seconds at most
+
+
+def sweep_args(sweep_dir: Path, *overrides: str) -> list[str]:
+    return [PYTHON, "train.py", "-m", *HELD, *overrides, f"hydra.sweep.dir={sweep_dir}"]
+
+
+def squeue(*args: str) -> list[str]:
+    return subprocess.run(["squeue", "-h", *args], capture_output=True, text=True, check=True,
+                          timeout=TIMEOUT).stdout.split()
+
+
+def arrays_of(sweep_dir: Path) -> list[str]:
+    """The sweep's SLURM array ids, in job-number order."""
+    ids = [row["job_id"].split("_")[0] for row in manifest(sweep_dir)["jobs"]]
+    return list(dict.fromkeys(ids))
+
+
+def cancel(arrays: list[str]) -> None:
+    if arrays:
+        subprocess.run(["scancel", *arrays], timeout=TIMEOUT)
+
+
+def shims(folder: Path) -> Path:
+    """squeue and sacct on PATH that log each call, then run the real one."""
+    folder.mkdir()
+    for name in ("squeue", "sacct"):
+        real = subprocess.run(["which", name], capture_output=True, text=True).stdout.strip()
+        (folder / name).write_text(f'#!/bin/sh\necho {name} >> "{folder}/calls"\n'
+                                   f'exec {real} "$@"\n')
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def test_1500_jobs_are_two_arrays_every_task_queued_and_one_query_a_poll(tmp_path):
+    sweep_dir, shim = tmp_path / "sweep", shims(tmp_path / "shims")
+    proc = subprocess.Popen(sweep_args(sweep_dir, "seed=range(0,1500)"), cwd=PROJECT,
+                            env={**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    arrays: list[str] = []
+    try:
+        # Planning and submitting 1,500 jobs: tens of seconds; 300 s: a submission that hangs.
+        deadline = time.time() + 300
+        while not ((sweep_dir / "jobs.json").is_file()
+                   and all(row["job_id"] for row in manifest(sweep_dir)["jobs"])):
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"the sweep was not submitted: {proc.communicate()[0][-3000:]}")
+            time.sleep(1)
+        rows = manifest(sweep_dir)["jobs"]
+        arrays = arrays_of(sweep_dir)
+        assert [row["num"] for row in rows] == list(range(1500))
+        assert len(arrays) == 2  # 1001 + 499: MaxArraySize 1001 allows indices 0 to 1000
+        assert len(squeue("-r", "-j", ",".join(arrays), "-o", "%i")) == 1500
+        # Each job's id is its array's task of its number: 0-1000 in the first, then 0-498.
+        assert [row["job_id"] for row in rows] == \
+            [f"{arrays[0]}_{i}" for i in range(1001)] + [f"{arrays[1]}_{i}" for i in range(499)]
+
+        # The launcher waits: 10 s of its polling, every SLURM query counted.
+        (shim / "calls").unlink(missing_ok=True)
+        time.sleep(10)
+        calls = (shim / "calls").read_text().split() if (shim / "calls").exists() else []
+        # A pass every 2 s at first, then less often: at most 6 passes of one query each. One
+        # query a job would be thousands.
+        assert 1 <= len(calls) <= 6 and set(calls) == {"squeue"}, calls
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the launcher cancels every job
+        out, _ = proc.communicate(timeout=120)
+        assert "cancelling the sweep's 1500 jobs" in out, out[-2000:]
+        deadline = time.time() + 60
+        while squeue("-r", "-j", ",".join(arrays), "-t", "PD,R", "-o", "%i"):
+            assert time.time() < deadline, "cancelled jobs still queued"
+            time.sleep(1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cancel(arrays)
+
+
+def set_max_array_size(size: int | None) -> None:
+    """MaxArraySize in the test cluster's slurm.conf (None: SLURM's default), reconfigured."""
+    text = re.sub(r"(?m)^MaxArraySize=.*\n", "", SLURM_CONF.read_text())
+    if size is not None:
+        text += f"MaxArraySize={size}\n"
+    SLURM_CONF.write_text(text)
+    subprocess.run(["scontrol", "reconfigure"], check=True, timeout=TIMEOUT)
+
+
+def test_a_sweep_over_max_array_size_is_split_and_its_arrays_throttled_as_one(tmp_path):
+    set_max_array_size(101)
+    arrays: list[str] = []
+    try:
+        result = subprocess.run(sweep_args(tmp_path, "cluster.detach=true",
+                                           "cluster.array_parallelism=5", "seed=range(0,250)"),
+                                cwd=PROJECT, capture_output=True, text=True, timeout=300)
+        arrays = arrays_of(tmp_path) if (tmp_path / "jobs.json").is_file() else []
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert len(arrays) == 3
+        rows = manifest(tmp_path)["jobs"]
+        sizes = [101, 101, 48]
+        expected = [f"{array}_{i}" for array, size in zip(arrays, sizes, strict=True)
+                    for i in range(size)]
+        assert [row["job_id"] for row in rows] == expected
+        assert [row["num"] for row in rows] == list(range(250))
+        # Each array runs at most 5 tasks at once (%5), and each after the first waits for the
+        # one before to end: never more than 5 of the sweep run at once.
+        for i, array in enumerate(arrays):
+            job = subprocess.run(["scontrol", "show", "job", array], capture_output=True,
+                                 text=True, check=True, timeout=TIMEOUT).stdout
+            assert "ArrayTaskThrottle=5" in job
+            dependency = squeue("-j", array, "-o", "%E")
+            # squeue shows an array's dependency as afterany:ID_*(unfulfilled) while it waits.
+            assert dependency[0].startswith(f"afterany:{arrays[i - 1]}_*" if i else "(null)"), \
+                dependency
+    finally:
+        cancel(arrays)
+        set_max_array_size(None)
+
+
+def test_a_qos_submit_limit_refuses_the_sweep_before_anything_is_submitted(tmp_path):
+    def set_limit(limit: int) -> None:
+        subprocess.run(["sacctmgr", "-i", "modify", "qos", "normal", "set",
+                        f"MaxSubmitJobsPerUser={limit}"], check=True, capture_output=True,
+                       timeout=TIMEOUT)
+
+    before = squeue("-r", "-o", "%i")
+    mine = len(squeue("-r", "-u", getpass.getuser(), "-q", "normal", "-o", "%i"))
+    set_limit(5)
+    try:
+        result = subprocess.run(sweep_args(tmp_path, "cluster.detach=true", "cluster.qos=normal",
+                                           "seed=range(0,6)"),
+                                cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    finally:
+        set_limit(-1)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: QOS normal allows 5 queued jobs per user (MaxSubmitJobsPerUser); "
+        f"{mine} are queued and this sweep would add 6: submit fewer jobs (fewer sweep "
+        f"values, hydra.sweeper.n_trials), wait for some to end, or ask the cluster's admins to "
+        f"raise it"]
+    assert squeue("-r", "-o", "%i") == before  # nothing was submitted
+    assert not (tmp_path / ".submitit").exists()
