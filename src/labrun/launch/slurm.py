@@ -97,7 +97,7 @@ class SlurmLauncher(sweep.SweepLauncher):
         limits = cluster_limits()
         for group in groups.values():
             check_resources(group[0].config.cluster, limits)
-        check_submission(len(jobs), cluster, limits)
+        check_submission([job.config.cluster for job in jobs], limits)
         # Each request's jobs in arrays that fit the cluster. cluster.array_parallelism is
         # SLURM's %N throttle, which holds per array: each array a request was split into
         # starts once the one before it has ended, so that it holds for the request's jobs as
@@ -422,32 +422,37 @@ def check_resources(cluster: DictConfig, limits: ClusterLimits) -> None:
         raise ConfigError(f"cluster.gpus_per_node={cluster.gpus_per_node}: {offer}")
 
 
-def check_submission(count: int, cluster: DictConfig, limits: ClusterLimits) -> None:
+def check_submission(clusters: list[DictConfig], limits: ClusterLimits) -> None:
     """Fail before anything is submitted, in one line naming the limit and the fix, when SLURM
-    would refuse some of `count` more jobs: the QOS's limits on submitted jobs per user or per
-    account, counting the jobs already queued, or the controller's MaxJobCount. Without
-    cluster.qos the association's default QOS applies, which is SLURM's "normal" unless an
-    admin set another; its limits are the ones checked."""
+    would refuse some of these jobs (each job's cluster config): a QOS's limit on submitted
+    jobs per user or per account, counting the jobs already queued, or the controller's
+    MaxJobCount. A job without cluster.qos gets its association's default QOS, which is
+    SLURM's "normal" unless an admin set another; its limits are the ones checked."""
     import getpass
+    from collections import Counter
 
     scheduler = SlurmScheduler()
-    qos = cluster.qos or "normal"
     fix = ("submit fewer jobs (fewer sweep values, hydra.sweeper.n_trials), wait for some to "
            "end, or ask the cluster's admins to raise it")
-    qos_limits = limits.qos.get(qos)
-    checks = []
-    if qos_limits is not None and qos_limits.max_submit_per_user is not None:
-        checks.append((qos_limits.max_submit_per_user, "MaxSubmitJobsPerUser",
-                       f"QOS {qos} allows", "per user", {"user": getpass.getuser(), "qos": qos}))
-    if qos_limits is not None and qos_limits.max_submit_per_account is not None \
-            and cluster.account:
-        checks.append((qos_limits.max_submit_per_account, "MaxSubmitJobsPerAccount",
-                       f"QOS {qos} allows", f"for account {cluster.account}",
-                       {"account": cluster.account, "qos": qos}))
+    per_qos = Counter(cluster.qos or "normal" for cluster in clusters)
+    per_account = Counter((cluster.qos or "normal", cluster.account) for cluster in clusters
+                          if cluster.account)
+    checks = []  # (limit, its name, who sets it, whose jobs it counts, the query, the count)
+    for qos, count in per_qos.items():
+        found = limits.qos.get(qos)
+        if found is not None and found.max_submit_per_user is not None:
+            checks.append((found.max_submit_per_user, "MaxSubmitJobsPerUser", f"QOS {qos} allows",
+                           "per user", {"user": getpass.getuser(), "qos": qos}, count))
+    for (qos, account), count in per_account.items():
+        found = limits.qos.get(qos)
+        if found is not None and found.max_submit_per_account is not None:
+            checks.append((found.max_submit_per_account, "MaxSubmitJobsPerAccount",
+                           f"QOS {qos} allows", f"for account {account}",
+                           {"account": account, "qos": qos}, count))
     if limits.max_job_count:
         checks.append((limits.max_job_count, "MaxJobCount", "the controller holds at most",
-                       "of all users at once", {}))
-    for limit, name, who, scope, query in checks:
+                       "of all users at once", {}, len(clusters)))
+    for limit, name, who, scope, query, count in checks:
         queued = scheduler.queued(**query)
         if queued + count > limit:
             raise ConfigError(f"{who} {limit} queued jobs {scope} ({name}); {queued} are "
