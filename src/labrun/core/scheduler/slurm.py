@@ -246,11 +246,6 @@ class SlurmScheduler:
         return ClusterLimits(partitions, default, _digits(config.get("MaxArraySize")),
                              self.qos_limits(), _digits(config.get("MaxJobCount")))
 
-    def max_array_size(self) -> int | None:
-        """MaxArraySize from the controller's running configuration; 0 there means no
-        arrays."""
-        return _digits(self.controller_config().get("MaxArraySize"))
-
     def controller_config(self) -> dict[str, str]:
         """The controller's running configuration (`scontrol show config`: slurm.conf may not
         be on this machine, on configless clusters), key -> value."""
