@@ -1,8 +1,9 @@
 """Sweeps at lab scale, on the real test cluster, with every job held (`--hold`: nothing
 trains, nothing costs a CPU) and cancelled at the end: 1,500 jobs split at SLURM's MaxArraySize
 (1001 by default) and polled with one query a pass; a cluster whose MaxArraySize is 101, where
-array_parallelism holds across the arrays through their dependencies; and a QOS's submit limit,
-which refuses the sweep before anything is submitted."""
+array_parallelism holds across the arrays through their dependencies; a sweep of two resource
+requests, which share array_parallelism out; and a QOS's submit limit, which refuses the sweep
+before anything is submitted."""
 
 from __future__ import annotations
 
@@ -140,6 +141,26 @@ def test_a_sweep_over_max_array_size_is_split_and_its_arrays_throttled_as_one(tm
     finally:
         cancel(arrays)
         set_max_array_size(None)
+
+
+def test_a_sweeps_resource_requests_share_its_array_parallelism(tmp_path):
+    # cluster.mem_gb=1,2 asks SLURM for two kinds of job: two arrays of 3, whose %N throttles
+    # together allow the sweep's 5 (one array gets 3, the other 2), not 5 each.
+    result = subprocess.run(sweep_args(tmp_path, "cluster.detach=true", "cluster.mem_gb=1,2",
+                                       "cluster.array_parallelism=5", "seed=range(0,3)"),
+                            cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    arrays = arrays_of(tmp_path) if (tmp_path / "jobs.json").is_file() else []
+    try:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert len(arrays) == 2
+        throttles = []
+        for array in arrays:
+            job = subprocess.run(["scontrol", "show", "job", array], capture_output=True,
+                                 text=True, check=True, timeout=TIMEOUT).stdout
+            throttles.append(int(re.search(r"ArrayTaskThrottle=(\d+)", job)[1]))
+        assert sorted(throttles) == [2, 3]
+    finally:
+        cancel(arrays)
 
 
 def test_a_qos_submit_limit_refuses_the_sweep_before_anything_is_submitted(tmp_path):

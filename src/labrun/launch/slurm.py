@@ -39,7 +39,8 @@ from labrun.core.files import atomic_path
 from labrun.core.project import PROJECT_DIR
 from labrun.core.scheduler import LIVE_STATES, SlurmScheduler
 from labrun.launch import SLURM_COMMENT_PREFIX, sweep
-from labrun.launch.slurm_limits import check_resources, check_submission, cluster_limits, split
+from labrun.launch.slurm_limits import (check_resources, check_submission, cluster_limits,
+                                        split, throttle_shares)
 from labrun.runs.sweepdir import Job, submitit_result
 
 POLL_S = 2.0
@@ -100,18 +101,26 @@ class SlurmLauncher(sweep.SweepLauncher):
             check_resources(group[0].config.cluster, limits)
         check_submission([job.config.cluster for job in jobs], limits)
         # Each request's jobs in arrays that fit the cluster. cluster.array_parallelism is
-        # SLURM's %N throttle, which holds per array: each array a request was split into
-        # starts once the one before it has ended, so that it holds for the request's jobs as
-        # for one array (detached, nothing is left running to meter them).
-        arrays = [(chunk, i > 0 and bool(cluster.array_parallelism))
-                  for group in groups.values()
+        # SLURM's %N throttle, which holds per array: the sweep's requests share it out
+        # (throttle_shares), and each array a request was split into starts once the one
+        # before it has ended, so that it holds for the whole sweep as for one array
+        # (detached, nothing is left running to meter them).
+        parallelism = cluster.array_parallelism
+        shares = (throttle_shares([len(group) for group in groups.values()], parallelism)
+                  if parallelism else [None] * len(groups))
+        if parallelism and len(groups) > parallelism:
+            log.warning("cluster.array_parallelism=%d is fewer than the sweep's %d resource "
+                        "requests: each runs one job at a time, %d at once", parallelism,
+                        len(groups), len(groups))
+        arrays = [(chunk, share, i > 0 and bool(parallelism))
+                  for group, share in zip(groups.values(), shares, strict=True)
                   for i, chunk in enumerate(split(group, limits.max_array_size))]
         submitted: list[str] = []
         try:
             with code_snapshot(self._snapshot):
-                for array, chained in arrays:
-                    submitted.append(self._submit_array(array, submitted[-1] if chained
-                                                        else None))
+                for array, share, chained in arrays:
+                    submitted.append(self._submit_array(array, share, submitted[-1]
+                                                        if chained else None))
         except Exception as error:
             with contextlib.suppress(probes.SlurmError):
                 SlurmScheduler().cancel(submitted)
@@ -119,12 +128,14 @@ class SlurmLauncher(sweep.SweepLauncher):
                               f"{len(arrays)} arrays ({one_line(error)}); those were "
                               f"cancelled, nothing of the sweep is queued") from error
 
-    def _submit_array(self, jobs: list[Job], after: str | None) -> str:
-        """One job array of `jobs`, dependent on the array `after` (its SLURM id) ending;
-        returns the array's id."""
+    def _submit_array(self, jobs: list[Job], throttle: int | None, after: str | None) -> str:
+        """One job array of `jobs`, at most `throttle` of them running at once, dependent on
+        the array `after` (its SLURM id) ending; returns the array's id."""
         import submitit
 
         params = executor_parameters(jobs[0].config.cluster, self.config, self._snapshot)
+        if throttle is not None:
+            params["slurm_array_parallelism"] = throttle
         if after is not None:
             extra = dict(params.get("slurm_additional_parameters", {}))
             extra["dependency"] = ",".join(filter(None, [f"afterany:{after}",

@@ -32,6 +32,19 @@ def split(jobs: list[Job], max_array_size: int | None) -> list[list[Job]]:
     return [jobs[i:i + size] for i in range(0, len(jobs), size)]
 
 
+def throttle_shares(sizes: list[int], parallelism: int) -> list[int]:
+    """cluster.array_parallelism shared out among a sweep's resource requests (of `sizes`
+    jobs each), in proportion to their jobs and at least one each (largest remainders get
+    the rest), so that together they run at most `parallelism` jobs at once; only more
+    requests than `parallelism` can make them run more, one each."""
+    total = sum(sizes)
+    shares = [max(1, parallelism * size // total) for size in sizes]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: -(parallelism * sizes[i] % total))
+    for i in by_remainder[:max(0, parallelism - sum(shares))]:
+        shares[i] += 1
+    return [min(share, size) for share, size in zip(shares, sizes, strict=True)]
+
+
 def check_resources(cluster: DictConfig, limits: ClusterLimits) -> None:
     """Fail now, in one line, on a request that would pend forever."""
     wanted = cluster.partition or limits.default_partition
