@@ -152,13 +152,33 @@ if [ "${1:-}" = --restart-node ]; then
     exit 0
 fi
 
+# restart_controller: slurmctld reads slurm.conf afresh. Not `scontrol reconfigure`: Slurm
+# 22.05's slurmctld keeps the MaxArraySize it checked its first job array against until it
+# restarts (it reports the new value, and refuses arrays by the old one). Jobs survive: their
+# state is saved in $STATE/slurmctld.
+restart_controller() {
+    local pid; pid="$(cat "$STATE/pids/slurmctld.pid")"
+    kill -TERM "$pid" 2>/dev/null || true
+    wait_for 30 bash -c "! [ -d /proc/$pid ] || grep -q '^State:.Z' /proc/$pid/status" \
+        || die "slurmctld ($pid) did not stop"
+    start slurmctld /usr/sbin/slurmctld -D -i
+    check_started slurmctld 30 bash -c 'timeout 5 scontrol ping | grep -q "is UP"'
+    for n in "${NODES[@]}"; do check_started slurmctld 60 node_usable "$n"; done
+}
+# --restart-controller: slurm.conf read again (tests/test_sweep_scale.py's MaxArraySize).
+if [ "${1:-}" = --restart-controller ]; then
+    restart_controller
+    log "slurmctld restarted (MaxArraySize $(scontrol show config | awk '/^MaxArraySize/ {print $3}'))"
+    exit 0
+fi
+
 # ---- 0. Already up? -------------------------------------------------------------------------
 # tests/test_sweep_scale.py sets a small MaxArraySize and puts SLURM's default back when done; a
 # run killed in between would leave it, so a healthy cluster gets the default back here.
 reset_max_array_size() {
     grep -q '^MaxArraySize=' /etc/slurm/slurm.conf || return 0
     sed -i '/^MaxArraySize=/d' /etc/slurm/slurm.conf
-    timeout 30 scontrol reconfigure >/dev/null || die "scontrol reconfigure failed"
+    restart_controller
     log "MaxArraySize is SLURM's default again (a test had changed it)"
 }
 if [ -d "$STATE/pids" ] && command -v sinfo >/dev/null && healthy; then

@@ -104,12 +104,14 @@ def test_1500_jobs_are_two_arrays_every_task_queued_and_one_query_a_poll(tmp_pat
 
 
 def set_max_array_size(size: int | None) -> None:
-    """MaxArraySize in the test cluster's slurm.conf (None: SLURM's default), reconfigured."""
+    """MaxArraySize in the test cluster's slurm.conf (None: SLURM's default), the controller
+    restarted: `scontrol reconfigure` would report the new value and enforce the old one."""
     text = re.sub(r"(?m)^MaxArraySize=.*\n", "", SLURM_CONF.read_text())
     if size is not None:
         text += f"MaxArraySize={size}\n"
     SLURM_CONF.write_text(text)
-    subprocess.run(["scontrol", "reconfigure"], check=True, timeout=TIMEOUT)
+    subprocess.run(["bash", str(PROJECT / "scripts" / "slurm_up.sh"), "--restart-controller"],
+                   check=True, capture_output=True, timeout=120)
 
 
 def test_a_sweep_over_max_array_size_is_split_and_its_arrays_throttled_as_one(tmp_path):
@@ -128,6 +130,11 @@ def test_a_sweep_over_max_array_size_is_split_and_its_arrays_throttled_as_one(tm
                     for i in range(size)]
         assert [row["job_id"] for row in rows] == expected
         assert [row["num"] for row in rows] == list(range(250))
+        # The controller itself refuses a bigger array: the split is what SLURM needs.
+        refused = subprocess.run(["sbatch", "--hold", "-p", "dev", "--array=0-101", "--wrap",
+                                  "true"], capture_output=True, text=True, timeout=TIMEOUT)
+        cancel(re.findall(r"\d+", refused.stdout))  # none, unless it was accepted
+        assert "Invalid job array specification" in refused.stderr, refused
         # Each array runs at most 5 tasks at once (%5), and each after the first waits for the
         # one before to end: never more than 5 of the sweep run at once.
         for i, array in enumerate(arrays):
