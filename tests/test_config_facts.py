@@ -66,13 +66,16 @@ def test_a_new_field_states_its_facts_once(monkeypatch, fresh_facts, composed, t
 def test_slurm_jobs_get_every_path_key_absolute(composed, tmp_path, monkeypatch):
     from labrun.launch import slurm
 
-    monkeypatch.chdir(tmp_path)
+    # The job runs in the code snapshot's folder: its paths are the submitting folder's.
+    (tmp_path / "snapshot").mkdir()
+    monkeypatch.chdir(tmp_path / "snapshot")
     (tmp_path / "data.h5").write_bytes(b"")
     cfg = composed("dataset=hdf5", "dataset.path=data.h5", "paths.data_dir=shared/data",
                    "paths.scratch_dir=scratch", "checkpoint.resume=auto")
     OmegaConf.set_struct(cfg, False)
     cfg.hydra = {"sweep": {"dir": "x"}}
-    slurm.make_paths_absolute(cfg, tmp_path / "sweep")
+    slurm.make_paths_absolute(cfg, tmp_path / "sweep", str(tmp_path))
+    assert cfg.dataset.path == str(tmp_path / "data.h5")
     for dotted in ("dataset.path", "paths.data_dir", "paths.scratch_dir"):
         value = OmegaConf.select(cfg, dotted)
         assert os.path.isabs(value) and value.startswith(str(tmp_path)), (dotted, value)

@@ -62,6 +62,25 @@ def test_each_job_is_composed_as_hydra_composes_it(hydra_parts):
     assert len(composer.composed) == 2
 
 
+def test_value_overrides_every_job_shares_are_applied_once_with_the_same_result(hydra_parts):
+    # A grid's fixed overrides come first: composed with the group choice, once per model.
+    context, master = hydra_parts
+    composer = JobComposer(context, master)
+    jobs = [["trainer.max_epochs=2", "+cluster.extra_sbatch.hold=true", *overrides]
+            for overrides in JOBS]
+    shared = composer.shared_values(jobs)
+    assert shared == 2
+    for num, overrides in enumerate(jobs):
+        ours = composer(overrides, shared)
+        hydras = context.config_loader.load_sweep_config(master, overrides)
+        assert OmegaConf.to_container(ours) == OmegaConf.to_container(hydras), overrides
+        assert resolved(ours, num) == resolved(hydras, num)
+    assert sorted(composer.composed) == [
+        (("model=" + model,), ("trainer.max_epochs=2", "+cluster.extra_sbatch.hold=true"))
+        for model in ("resnet18", "simple_cnn")]
+    assert composer.shared_values(jobs[:1]) == 0  # one job: nothing to share
+
+
 def test_a_bad_value_override_fails_as_hydra_fails(hydra_parts):
     from hydra.errors import ConfigCompositionException
 

@@ -93,7 +93,6 @@ class SlurmLauncher(sweep.SweepLauncher):
         # for different tasks and GPUs per node.
         groups: dict[str, list[Job]] = {}
         for job in jobs:
-            make_paths_absolute(job.config, sweep_dir)
             params = executor_parameters(job.config.cluster, self.config, self._snapshot)
             groups.setdefault(repr(sorted(params.items())), []).append(job)
         limits = cluster_limits()
@@ -116,10 +115,11 @@ class SlurmLauncher(sweep.SweepLauncher):
                   for group, share in zip(groups.values(), shares, strict=True)
                   for i, chunk in enumerate(split(group, limits.max_array_size))]
         submitted: list[str] = []
+        task = ArrayTask(sweep_dir, os.getcwd())  # before the snapshot enters its folder
         try:
             with code_snapshot(self._snapshot):
                 for array, share, chained in arrays:
-                    submitted.append(self._submit_array(array, share, submitted[-1]
+                    submitted.append(self._submit_array(task, array, share, submitted[-1]
                                                         if chained else None))
         except Exception as error:
             with contextlib.suppress(probes.SlurmError):
@@ -128,9 +128,10 @@ class SlurmLauncher(sweep.SweepLauncher):
                               f"{len(arrays)} arrays ({one_line(error)}); those were "
                               f"cancelled, nothing of the sweep is queued") from error
 
-    def _submit_array(self, jobs: list[Job], throttle: int | None, after: str | None) -> str:
-        """One job array of `jobs`, at most `throttle` of them running at once, dependent on
-        the array `after` (its SLURM id) ending; returns the array's id."""
+    def _submit_array(self, task: ArrayTask, jobs: list[Job], throttle: int | None,
+                      after: str | None) -> str:
+        """One job array of `jobs`, each task running `task`, at most `throttle` of them at
+        once, dependent on the array `after` (its SLURM id) ending; returns the array's id."""
         import submitit
 
         params = executor_parameters(jobs[0].config.cluster, self.config, self._snapshot)
@@ -145,8 +146,8 @@ class SlurmLauncher(sweep.SweepLauncher):
         executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm",
                                          slurm_max_num_timeout=jobs[0].config.cluster.max_num_timeout)
         executor.update_parameters(**params)
-        handles = executor.map_array(ArrayTask(self.shared_file(folder)),
-                                     [pickle.dumps(job.config) for job in jobs])
+        task.shared = self.shared_file(folder)
+        handles = executor.map_array(task, [pickle.dumps(job.config) for job in jobs])
         submitted_at = time.time()
         # A line a job for a small sweep; a large one gets its arrays' lines (below) alone.
         level = logging.INFO if len(jobs) <= 10 else logging.DEBUG
@@ -249,15 +250,22 @@ class ArrayTask:
     the C pickler, with the launcher and Hydra's singleton state read from the one file
     (SlurmLauncher.shared_file) that the submission wrote for all its tasks. submitit pickles
     each task's call on its own, with cloudpickle: with the launcher and the state in every
-    one, a 1,500-job sweep spent most of its submission pickling the same objects again."""
+    one, a 1,500-job sweep spent most of its submission pickling the same objects again. The
+    task makes its config's paths absolute (make_paths_absolute) against the folder the sweep
+    was submitted from, as the job runs in the code snapshot's folder; in the task, not at
+    submission, where it cost a 1,500-job sweep 5 s."""
 
-    def __init__(self, shared: Path):
-        self.shared = shared
+    def __init__(self, sweep_dir: Path, submitted_from: str):
+        self.sweep_dir, self.submitted_from = sweep_dir, submitted_from
+        self.shared: Path | None = None  # the submission's launcher file, once written
 
     def __call__(self, config: bytes) -> JobReturn:
         with open(self.shared, "rb") as f:
             launcher, state = pickle.load(f)
-        return launcher(pickle.loads(config), state)
+        config = pickle.loads(config)
+        Singleton.set_state(state)  # a path may interpolate ${hydra:runtime.cwd}
+        make_paths_absolute(config, self.sweep_dir, self.submitted_from)
+        return launcher(config, state)
 
     def checkpoint(self, *args: Any) -> Any:
         """submitit calls it on USR2 (see labrun.train.trainer): requeue the same task; the job
@@ -354,8 +362,9 @@ def executor_parameters(cluster: DictConfig, config: DictConfig, snapshot: Path 
     return {key: value for key, value in params.items() if value not in (None, {}, [])}
 
 
-def make_paths_absolute(config: DictConfig, sweep_dir: Path) -> None:
-    """Resolve path keys now, against the submission's working directory."""
+def make_paths_absolute(config: DictConfig, sweep_dir: Path, submitted_from: str) -> None:
+    """The sweep folder and the path keys absolute, relative ones taken as relative to the
+    folder the sweep was submitted from."""
     with open_dict(config):
         config.hydra.sweep.dir = str(sweep_dir)
         # Keys holding paths (the schema's `path` fact), which a job running elsewhere must
@@ -365,7 +374,9 @@ def make_paths_absolute(config: DictConfig, sweep_dir: Path) -> None:
             if key == "checkpoint.resume" and value in ("auto", "never"):
                 continue
             if isinstance(value, str) and value and not os.path.isabs(value):
-                OmegaConf.update(config, key, os.path.abspath(value), merge=False)
+                OmegaConf.update(config, key, os.path.normpath(os.path.join(submitted_from,
+                                                                            value)),
+                                 merge=False)
 
 
 class code_snapshot:  # noqa: N801 - used as a context manager, like submitit's own helper

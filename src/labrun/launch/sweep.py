@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import gc
 import logging
 import os
 import pickle
@@ -117,8 +118,9 @@ class SweepLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
                ) -> Sequence[JobReturn]:
-        jobs = plan(self.hydra_context, self.config, job_overrides, initial_job_idx,
-                    self.composer)
+        with gc_kept_off():
+            jobs = plan(self.hydra_context, self.config, job_overrides, initial_job_idx,
+                        self.composer)
         attached = self._attach(jobs)
         todo = [job for job in jobs if job.state == "pending"]
         if todo:
@@ -254,31 +256,53 @@ class JobComposer:
 
         self.loader, self.master = hydra_context.config_loader, master
         self.parser = OverridesParser.create()
-        self.composed: dict[tuple[str, ...], bytes] = {}  # group choices -> their config
+        # (group choices, leading value overrides) -> their config, pickled
+        self.composed: dict[tuple[tuple[str, ...], tuple[str, ...]], bytes] = {}
         self.parsed: dict[str, Any] = {}  # override line -> Hydra's Override
+        self.chooses: dict[str, bool] = {}  # override line -> whether it chooses an option
 
-    def __call__(self, overrides: list[str]) -> DictConfig:
+    def __call__(self, overrides: list[str], shared: int = 0) -> DictConfig:
+        """The job's config. `shared`: how many of its leading value overrides every job of
+        the batch has (shared_values), applied once to the composition the jobs share:
+        applying them first, then the rest, is Hydra's own order."""
         from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
 
         parsed = [self._parse(line) for line in overrides]
         if any(o.is_hydra_override() or o.is_sweep_override() for o in parsed):
             return self.loader.load_sweep_config(self.master, list(overrides))  # as Hydra
+        values = [o for o in parsed if not self._chooses_option(o)]
         choices = tuple(o.input_line for o in parsed if self._chooses_option(o))
-        if choices not in self.composed:
+        key = (choices, tuple(o.input_line for o in values[:shared]))
+        if key not in self.composed:
+            cfg = self.loader.load_sweep_config(self.master, list(choices))
+            ConfigLoaderImpl._apply_overrides_to_config(values[:shared], cfg)
             # Kept pickled: unpickling copies an OmegaConf config three times faster than
             # deepcopy does.
-            self.composed[choices] = pickle.dumps(
-                self.loader.load_sweep_config(self.master, list(choices)))
-        cfg = pickle.loads(self.composed[choices])
+            self.composed[key] = pickle.dumps(cfg)
+        cfg = pickle.loads(self.composed[key])
         OmegaConf.copy_cache(from_config=self.master, to_config=cfg)  # as load_sweep_config
-        ConfigLoaderImpl._apply_overrides_to_config(
-            [o for o in parsed if not self._chooses_option(o)], cfg)
+        ConfigLoaderImpl._apply_overrides_to_config(values[shared:], cfg)
         naming = cfg.hydra.job.config.override_dirname
         cfg.hydra.overrides.task = [o.input_line for o in parsed]
         cfg.hydra.job.override_dirname = get_overrides_dirname(
             overrides=parsed, kv_sep=naming.kv_sep, item_sep=naming.item_sep,
             exclude_keys=naming.exclude_keys)
         return cfg
+
+    def shared_values(self, job_overrides: list[list[str]]) -> int:
+        """How many leading value overrides all these jobs have in common (a grid's fixed
+        overrides come before its swept ones): 0 for a single job (a search's trial), whose
+        composition no other job would share."""
+        if len(job_overrides) < 2:
+            return 0
+        values = [[line for line in overrides if not self._chooses_option(self._parse(line))]
+                  for overrides in job_overrides]
+        shared = 0
+        for column in zip(*values):
+            if any(line != column[0] for line in column):
+                break
+            shared += 1
+        return shared
 
     def _parse(self, line: str):
         """Hydra's parse of one override, once per distinct line (a grid's jobs share most)."""
@@ -287,8 +311,30 @@ class JobComposer:
         return self.parsed[line]
 
     def _chooses_option(self, override) -> bool:
-        return (self.loader.repository.group_exists(override.key_or_group)
-                and not isinstance(override.value(), dict))
+        line = override.input_line
+        if line not in self.chooses:
+            self.chooses[line] = (self.loader.repository.group_exists(override.key_or_group)
+                                  and not isinstance(override.value(), dict))
+        return self.chooses[line]
+
+
+@contextlib.contextmanager
+def gc_kept_off():
+    """Python's cyclic garbage collector kept off a grid sweep's job configs: each is
+    thousands of small objects, alive until the sweep ends, and each collection would walk
+    all of those made so far (at 1,500 jobs, a third of the submission's time). Paused while
+    they are planned, then frozen (gc.freeze: left out of every later collection). Planning
+    leaves almost no cyclic garbage (gc.collect() finds 33 objects after 1,500 jobs), so
+    freezing loses nothing; what submitting leaves is collected as usual. Not for a search:
+    its trials are planned one at a time, and their configs end with them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def plan(hydra_context: HydraContext, master: DictConfig,
@@ -298,9 +344,11 @@ def plan(hydra_context: HydraContext, master: DictConfig,
     same config are marked skipped (a re-run sweep finishes only what is left). `compose`: a
     JobComposer the caller keeps (a search plans its trials one at a time)."""
     compose = compose or JobComposer(hydra_context, master)
+    job_overrides = [list(overrides) for overrides in job_overrides]
+    shared = compose.shared_values(job_overrides)
     jobs = []
     for num, overrides in enumerate(job_overrides, start=initial_job_idx):
-        cfg = compose(list(overrides))
+        cfg = compose(overrides, shared)
         # Each job's own monitor (a sweep may vary it), before any job is submitted: a typo
         # would otherwise train every job to the end for nothing.
         validation.check_checkpoint_monitor(cfg)
