@@ -1,6 +1,7 @@
 """`labrun gc SWEEP_DIR`: a finished sweep's checkpoint budget, applied on disk. A dry run
 changes nothing; the real one frees what it said, the jobs outside --keep-best lose their
-checkpoints (not their metrics), the best job still exports, and a second run frees nothing.
+checkpoints (not their metrics), the best job still exports, compare and rerun still read
+every job, and a second run frees nothing.
 (checkpoint.on_finish in a sweep and in an interrupted run: tests/test_cluster_local.py,
 tests/test_resume.py.)"""
 
@@ -45,6 +46,7 @@ def disk_bytes(sweep_dir: Path) -> int:
 
 def test_gc_dry_run_then_for_real_keeps_the_best_job_and_frees_what_it_said(sweep_dir, tmp_path):
     jobs = {row["num"]: Path(row["dir"]) for row in manifest(sweep_dir)["jobs"]}
+    overrides = {row["num"]: row["overrides"] for row in manifest(sweep_dir)["jobs"]}
     metric = {num: read_summary(folder)["best/val/acc"] for num, folder in jobs.items()}
     assert metric[0] != metric[1], f"the two jobs tie ({metric}): pick other learning rates"
     best, worse = sorted(jobs, key=lambda num: -metric[num])
@@ -76,6 +78,9 @@ def test_gc_dry_run_then_for_real_keeps_the_best_job_and_frees_what_it_said(swee
     assert (tmp_path / "best.pt").stat().st_size > 0
     compare = run_labrun("compare", str(sweep_dir)).stdout
     assert f"{metric[worse]:.4f}" in compare
+    lr = next(o for o in overrides[worse] if o.startswith("optimizer.lr="))
+    rerun = run_labrun("rerun", str(jobs[worse])).stdout  # the command, not run
+    assert "train.py" in rerun and lr in rerun, rerun
 
     again = run_labrun("gc", str(sweep_dir), "--keep-best", "1").stdout
     assert f"freed 0 bytes in 0 files of {sweep_dir}" in again

@@ -85,8 +85,10 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def write(folder: Path, overrides: list[str], project_dir: Path) -> dict[str, Any]:
-    """Write provenance/ and return what W&B and the checkpoint also record."""
+def write(folder: Path, overrides: list[str], project_dir: Path, argv: list[str], cwd: str
+          ) -> dict[str, Any]:
+    """Write provenance/ and return what W&B and the checkpoint also record; `argv` and
+    `cwd`: the command that started the run, and where (`labrun rerun` runs it again)."""
     folder.mkdir(parents=True, exist_ok=True)
     git = git_state(project_dir)
     (folder / GIT).write_text(json.dumps(git, indent=2) + "\n")
@@ -95,8 +97,8 @@ def write(folder: Path, overrides: list[str], project_dir: Path) -> dict[str, An
     (folder / PACKAGES).write_text("\n".join(installed_packages()) + "\n")
     env = environment()
     (folder / ENVIRONMENT).write_text(json.dumps(env, indent=2) + "\n")
-    command = {"argv": [redact(a) for a in sys.argv], "executable": sys.executable,
-               "cwd": os.getcwd(), "overrides": [redact(o) for o in overrides]}
+    command = {"argv": [redact(a) for a in argv], "executable": sys.executable,
+               "cwd": cwd, "overrides": [redact(o) for o in overrides]}
     (folder / COMMAND).write_text(json.dumps(command, indent=2) + "\n")
     return {"git_commit": git["commit"], "git_dirty": git["dirty"], "host": env["hostname"],
             "slurm_job_id": where.read().job_id, "torch": env["torch"],

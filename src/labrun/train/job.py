@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     folder.truncate_metrics_after(resume["step"] if resume is not None else 0)
     recorded = {}
     if dist.is_main:
-        recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR)
+        recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR,
+                                    *started_by())
     trainer = Trainer(cfg, dataset, model, folder=folder, checkpoints=checkpoints, dist=dist)
     monitoring = start_monitoring(cfg, dist, folder, trainer, launch)
     try:
@@ -269,6 +271,17 @@ def with_newer_keys(saved: dict[str, Any], current: dict[str, Any]) -> dict[str,
 
 def hydra_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def started_by() -> tuple[list[str], str]:
+    """The command line that started this run, and the folder it started in. A sweep's job
+    runs in a worker process of its launcher (submitit's), whose own command line says
+    nothing of the run: the job's is the sweep's script (Hydra's job name) with the job's
+    overrides, in the folder the sweep was launched from."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        hydra = HydraConfig.get()
+        return [f"{hydra.job.name}.py", *hydra.overrides.task], hydra.runtime.cwd
+    return list(sys.argv), os.getcwd()
 
 
 def sweep_info() -> dict[str, Any]:
