@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -122,15 +121,17 @@ def test_provenance_records_a_patch_when_the_tree_is_dirty(tmp_path, monkeypatch
     subprocess.run([*git, "commit", "-qm", "init"], check=True)
     (repo / "model.py").write_text("width = 64\n")
     monkeypatch.setenv("WANDB_API_KEY", "secret-key-value")
-    monkeypatch.setattr(sys, "argv", ["train.py", "+wandb.api_key=abc123", "optimizer.lr=0.1"])
-    recorded = provenance.write(tmp_path / "prov", ["optimizer.lr=0.1"], repo)
+    argv = ["train.py", "+wandb.api_key=abc123", "optimizer.lr=0.1"]
+    recorded = provenance.write(tmp_path / "prov", ["optimizer.lr=0.1"], repo, argv,
+                                str(tmp_path))
     assert recorded["git_dirty"] is True
     assert "+width = 64" in (tmp_path / "prov" / "git.diff").read_text()
     everything = "".join(p.read_text() for p in (tmp_path / "prov").iterdir())
     assert "secret-key-value" not in everything and "abc123" not in everything
     assert "+wandb.api_key=<redacted>" in everything
     (repo / "model.py").write_text("width = 32\n")
-    assert provenance.write(tmp_path / "clean", [], repo)["git_dirty"] is False
+    assert provenance.write(tmp_path / "clean", [], repo, ["train.py"],
+                            str(tmp_path))["git_dirty"] is False
     assert not (tmp_path / "clean" / "git.diff").exists()
 
 

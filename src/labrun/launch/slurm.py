@@ -39,8 +39,13 @@ from labrun.core.files import atomic_path
 from labrun.core.project import PROJECT_DIR
 from labrun.core.scheduler import LIVE_STATES, SlurmScheduler
 from labrun.launch import SLURM_COMMENT_PREFIX, sweep
-from labrun.launch.slurm_limits import (check_resources, check_submission, cluster_limits,
-                                        split, throttle_shares)
+from labrun.launch.slurm_limits import (
+    check_resources,
+    check_submission,
+    cluster_limits,
+    split,
+    throttle_shares,
+)
 from labrun.runs.sweepdir import Job, submitit_result
 
 POLL_S = 2.0

@@ -298,7 +298,7 @@ class JobComposer:
         values = [[line for line in overrides if not self._chooses_option(self._parse(line))]
                   for overrides in job_overrides]
         shared = 0
-        for column in zip(*values):
+        for column in zip(*values, strict=False):  # jobs may have more or fewer
             if any(line != column[0] for line in column):
                 break
             shared += 1
