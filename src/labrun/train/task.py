@@ -8,8 +8,14 @@ a plain all-reduce) and turns the totals into metrics once at the end.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a method needs it, not here: config validation imports this module
+# for metric_names alone (labrun.config.validation), in processes that never train (a sweep's
+# launcher, `labrun configs check` and `review`), and torch's import costs them 3 s.
 
 
 class Classification:
@@ -24,11 +30,16 @@ class Classification:
     metric_names = ("loss", "acc", "acc5")
 
     def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F  # noqa: N812 - torch's own name for it
+
         return F.cross_entropy(logits, labels)
 
     def eval_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """[summed loss, top-1 correct, top-5 correct, count] of one batch, as float32 (MPS
         has no float64); the caller adds them up in float64 on the CPU."""
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+
         k = min(5, logits.shape[1])
         top = logits.topk(k, dim=1).indices
         hits = top.eq(labels[:, None])
