@@ -325,6 +325,9 @@ MISTAKES = {
     "wait fraction above 1": ("monitor.data_bound_wait_frac=1.5",
                               "monitor.data_bound_wait_frac=1.5 must be a fraction in (0, 1)"),
     "zero idle threshold": ("monitor.gpu_idle_util=0", "monitor.gpu_idle_util=0"),
+    "idle band above the good one": ("monitor.gpu_idle_util=0.8",
+                                     "monitor.gpu_idle_util=0.8 must be below "
+                                     "monitor.gpu_good_util=0.7"),
 }
 
 

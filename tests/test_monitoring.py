@@ -62,7 +62,8 @@ def test_shipped_config_and_rules_pass_promtool():
     alerts = {rule["alert"] for group in yaml.safe_load((MONITORING / "rules.yml").read_text())
               ["groups"] for rule in group["rules"]}
     assert alerts == {"LabrunGPUIdle", "LabrunDataBound", "LabrunStalled", "LabrunTargetDown",
-                      "LabrunNonFiniteLoss", "LabrunOutputDiskFull"}
+                      "LabrunNonFiniteLoss", "LabrunOutputDiskFull", "LabrunGPUMemoryGrowth",
+                      "LabrunQueueWaitLong", "LabrunQueueDown"}
 
 
 def test_every_alert_fires_on_its_case_and_stays_silent_on_healthy_runs():
@@ -74,15 +75,18 @@ def test_every_alert_fires_on_its_case_and_stays_silent_on_healthy_runs():
     firing = {test["alertname"] for case in cases for test in case["alert_rule_test"]
               if test["exp_alerts"]}
     assert firing == {"LabrunGPUIdle", "LabrunDataBound", "LabrunStalled", "LabrunTargetDown",
-                      "LabrunNonFiniteLoss", "LabrunOutputDiskFull"}
+                      "LabrunNonFiniteLoss", "LabrunOutputDiskFull", "LabrunGPUMemoryGrowth",
+                      "LabrunQueueWaitLong", "LabrunQueueDown"}
 
 
 def declared_metrics() -> set[str]:
     """Every series name labrun's own endpoints can expose."""
     from labrun.deploy import serve_metrics
+    from labrun.launch import queue_exporter
     from labrun.track import metrics_endpoint
 
-    names = set(metrics_endpoint.FAMILIES) | set(serve_metrics.FAMILIES)
+    names = (set(metrics_endpoint.FAMILIES) | set(serve_metrics.FAMILIES)
+             | set(queue_exporter.QUEUE_FAMILIES))
     return names | {name + suffix for name in names for suffix in HISTOGRAM_SUFFIXES}
 
 
@@ -105,7 +109,8 @@ def test_dashboard_and_alerts_use_only_metrics_that_exist():
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["uid"] == "labrun" and dashboard["panels"]
     titles = " ".join(panel["title"] for panel in dashboard["panels"]).lower()
-    for wanted in ("per user", "images/s", "data wait", "loss"):
+    for wanted in ("per user", "images/s", "data wait", "loss", "pending jobs per partition",
+                   "oldest pending job", "gpus in use per account", "fair share"):
         assert wanted in titles, f"the dashboard has no panel for {wanted}"
     rules = [rule["expr"] for group in yaml.safe_load((MONITORING / "rules.yml").read_text())
              ["groups"] for rule in group["rules"]]
@@ -120,6 +125,17 @@ def test_dashboard_and_alerts_use_only_metrics_that_exist():
     # The main figures are on the dashboard.
     assert {"labrun_train_samples_total", "labrun_data_wait_seconds_total", "labrun_train_loss",
             "labrun_gpu_utilization_ratio"} <= used
+
+
+def test_the_dashboards_gpu_bands_are_labrun_statuss():
+    from labrun.config.schema import MonitorConfig
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    panel = next(p for p in dashboard["panels"] if p["title"] == "GPU utilisation per job")
+    steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    defaults = MonitorConfig()
+    assert [step["value"] for step in steps] == [None, defaults.gpu_idle_util,
+                                                 defaults.gpu_good_util]
 
 
 def test_dashboard_queries_are_valid_promql(tmp_path):
@@ -229,6 +245,15 @@ def test_monitor_targets_names_a_missing_root(tmp_path):
                         str(tmp_path / "t.json"), check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path / 'nope'}: no such folder")
+
+
+def test_monitor_queue_refuses_a_cache_that_would_load_the_controller():
+    # Refused before anything is served or asked (the exporter itself: tests/test_queue_exporter.py).
+    result = run_labrun("monitor", "queue", "--cache", "2", check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --cache 2: give 10 seconds or more (two Prometheus servers scraping every 15 s "
+        "would otherwise load the SLURM controller)"]
 
 
 # -- the Prometheus harness and `labrun monitor up` ---------------------------------------------

@@ -122,7 +122,8 @@ def test_a_sweep_shows_each_jobs_figures_and_verdict(sweep_dir, capsys):
         assert job["gpu_util"] is None and job["images_per_s"] > 0
         # Two of the three train points: the epoch's first window is left out.
         assert job["points"] == 2
-        assert job["thresholds"] == {"data_bound_wait_frac": 0.3, "gpu_idle_util": 0.3}
+        assert job["thresholds"] == {"data_bound_wait_frac": 0.3, "gpu_idle_util": 0.3,
+                                     "gpu_good_util": 0.7}
     assert healthy["verdict"] == "healthy" and healthy["fix"] is None
     assert healthy["data_wait_frac"] < 0.3
     assert slow["verdict"] == "data-bound" and slow["data_wait_frac"] > 0.3
@@ -211,7 +212,7 @@ def test_the_latest_epoch_without_its_first_window_weighed_by_duration(tmp_path)
     assert figures.verdict == "data-bound"  # 33% > 30%
 
 
-def test_gpu_idle_and_healthy_from_gpu_utilisation(tmp_path):
+def test_gpu_idle_underused_and_healthy_from_gpu_utilisation(tmp_path):
     from labrun.runs.efficiency import measure
     from labrun.runs.rundir import RunDir
 
@@ -224,11 +225,23 @@ def test_gpu_idle_and_healthy_from_gpu_utilisation(tmp_path):
                                            "GPUs busy 12% of the time, not waiting for data")
     assert idle.fix.startswith("raise trainer.batch_size (now 64) so each step gives the GPUs")
     assert verdict("busy", 0.05, 0.85).verdict == "healthy"
+    # The lab guide's middle band: busy, but under 70%.
+    under = verdict("under", 0.05, 0.55)
+    assert (under.verdict, under.reason, under.fix) == (
+        "underused", "GPUs busy 55% of the time, under 70%, not waiting for data",
+        "raise trainer.batch_size (now 64)")
+    settings = verdict("settings", 0.05, 0.55, {"precision": {"name": "fp32"},
+                                                 "trainer": {"compile": False}})
+    assert settings.fix == ("raise trainer.batch_size (now 64), train in precision=bf16 (now "
+                            "fp32) or try trainer.compile=true (now false)")
+    assert verdict("own band", 0.05, 0.55, {"monitor": {"gpu_good_util": 0.5}}).verdict == \
+        "healthy"
     # Waiting for data explains idle GPUs: the data is what to fix.
     both = verdict("both", 0.6, 0.12)
     assert both.verdict == "data-bound" and both.fix == "raise dataset.num_workers (now 4)"
-    # The run's own threshold: 12% counts as busy where 10% is its idle line.
-    assert verdict("own", 0.05, 0.12, {"monitor": {"gpu_idle_util": 0.1}}).verdict == "healthy"
+    # The run's own threshold: 12% is underused, not idle, where 10% is its idle line.
+    assert verdict("own", 0.05, 0.12, {"monitor": {"gpu_idle_util": 0.1}}).verdict == \
+        "underused"
 
 
 def test_an_image_folder_run_is_told_to_convert_to_hdf5(tmp_path):

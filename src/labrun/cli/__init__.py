@@ -30,7 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("labrun.cli.predict", "predict images offline with an exported model"),
     "doctor": ("labrun.cli.doctor", "check this machine's GPU/CUDA/NCCL/SLURM set-up"),
     "bench": ("labrun.cli.bench", "run the benchmarks"),
-    "monitor": ("labrun.cli.monitor", "Prometheus for the runs training now: targets, up"),
+    "monitor": ("labrun.cli.monitor", "Prometheus for the runs training now and the SLURM queue: "
+                "targets, queue, up"),
 }
 
 

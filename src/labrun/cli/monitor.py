@@ -1,7 +1,9 @@
-"""`labrun monitor targets` and `labrun monitor up`: Prometheus for labrun's runs.
+"""`labrun monitor targets`, `labrun monitor queue` and `labrun monitor up`: Prometheus for
+labrun's runs and for the cluster's queue.
 
-The arguments and the refresh loop; discovery is labrun.runs.targets's, the Prometheus process
-labrun.deploy.prometheus's, and the shipped configuration is in monitoring/ (docs/monitoring.md).
+The arguments and the refresh loop; discovery is labrun.runs.targets's, the queue exporter
+labrun.launch.queue_exporter's, the Prometheus process labrun.deploy.prometheus's, and the
+shipped configuration is in monitoring/ (docs/monitoring.md).
 """
 
 from __future__ import annotations
@@ -27,10 +29,20 @@ examples:
   labrun monitor targets /nfs/outputs /nfs/multirun --out targets/labrun.json --watch 30
 """
 
+QUEUE_HELP = """\
+Serves the SLURM queue as the lab sees it on GET /metrics: jobs pending (held ones too) and
+running, the GPUs they ask for or hold, each partition's oldest pending job's wait, fair share,
+nodes down or drained; labelled by partition, account, user and QOS, never by job. SLURM is
+asked at most once every --cache seconds (one squeue, sshare and sinfo), however often it is
+scraped; a controller that does not answer gives labrun_queue_up 0.
+"""
+
 UP_HELP = """\
 Starts Debian's prometheus on 127.0.0.1 with monitoring/prometheus.yml and rules.yml, its
 labrun job fed from a target file this command rewrites every --refresh seconds, storing in
-OUTPUT_ROOT/.prometheus/. Prints its URL; Ctrl-C stops it.
+OUTPUT_ROOT/.prometheus/. Where a SLURM cluster answers, it also serves the queue exporter
+(`labrun monitor queue`) on a free port of 127.0.0.1 and scrapes it. Prints its URL; Ctrl-C
+stops it.
 """
 
 
@@ -54,6 +66,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                          help="the file_sd JSON file to write (replaced atomically)")
     targets.add_argument("--watch", type=float, metavar="SECONDS",
                          help="rewrite the file every SECONDS until interrupted")
+    queue = actions.add_parser("queue", help="serve the SLURM queue as Prometheus metrics",
+                               description=QUEUE_HELP)
+    queue.add_argument("--port", type=int, default=9102,
+                       help="port to serve on (default 9102; 0: any free port)")
+    queue.add_argument("--bind", default="127.0.0.1",
+                       help="address to serve on (default 127.0.0.1: this machine only)")
+    queue.add_argument("--cache", type=float, default=10.0, metavar="SECONDS",
+                       help="how long one answer of SLURM serves scrapes (default and least: 10)")
     up = actions.add_parser("up", help="start a local Prometheus for labrun's runs",
                             description=UP_HELP)
     up.add_argument("--port", type=int, default=9090,
@@ -111,6 +131,57 @@ def run_targets(args: argparse.Namespace) -> int:
         return 0
 
 
+def run_queue(args: argparse.Namespace) -> int:
+    from labrun.launch import queue_exporter
+
+    if args.cache < queue_exporter.MIN_CACHE_S:
+        raise LabrunError(f"--cache {args.cache:g}: give {queue_exporter.MIN_CACHE_S:g} seconds "
+                          f"or more (two Prometheus servers scraping every 15 s would otherwise "
+                          f"load the SLURM controller)")
+    _slurm_client_or_fail()
+    try:
+        server, port = queue_exporter.serve(args.port, args.bind, args.cache)
+    except OSError as error:
+        raise LabrunError(f"cannot serve on {args.bind}:{args.port} ({error.strerror}); "
+                          f"choose another --port (0: any free one) or --bind") from None
+    print(f"queue metrics: http://{args.bind}:{port}/metrics  (SLURM asked at most every "
+          f"{max(args.cache, queue_exporter.MIN_CACHE_S):g} s; Ctrl-C stops it)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.shutdown()
+
+
+def _slurm_client_or_fail() -> None:
+    """One line, before anything is served, where this machine is no SLURM client at all (a
+    controller that is down is no error: the exporter says so in labrun_queue_up)."""
+    from labrun.core import probes
+
+    try:
+        probes.slurm_rows("sinfo", "--version")
+    except probes.SlurmError as error:
+        if error.kind in ("missing", "unconfigured"):
+            raise LabrunError(f"{error}; run labrun monitor queue on a login node") from None
+
+
+def _queue_exporter_if_slurm():
+    """The queue exporter on a free port of 127.0.0.1 where a SLURM cluster answers here
+    (its server, HOST:PORT), else (None, None)."""
+    from labrun.core import probes
+    from labrun.core.scheduler import SlurmScheduler
+    from labrun.launch import queue_exporter
+
+    try:
+        SlurmScheduler().partitions()
+    except probes.SlurmError:
+        return None, None
+    server, port = queue_exporter.serve(0, "127.0.0.1")
+    return server, f"127.0.0.1:{port}"
+
+
 def run_up(args: argparse.Namespace) -> int:
     from labrun.deploy import prometheus
 
@@ -121,11 +192,13 @@ def run_up(args: argparse.Namespace) -> int:
     home = output_root / ".prometheus"
     targets_file = home / "targets" / "labrun.json"
     refresh(roots, targets_file)
-    config = prometheus.write_config(home / "prometheus.yml",
-                                     prometheus.local_config(targets_file))
+    exporter, queue_target = _queue_exporter_if_slurm()
+    config = prometheus.write_config(home / "prometheus.yml", prometheus.local_config(
+        targets_file, queue_target=queue_target))
     prom = prometheus.start(config, home / "data", home / "prometheus.log", port=args.port)
     try:
-        print(f"Prometheus: {prom.url}  (runs under {', '.join(map(str, roots))}"
+        queue = f"; the SLURM queue from {queue_target}" if queue_target else ""
+        print(f"Prometheus: {prom.url}  (runs under {', '.join(map(str, roots))}{queue}"
               f"; storage {home / 'data'}; log {home / 'prometheus.log'}; Ctrl-C stops it)",
               flush=True)
         while True:
@@ -136,7 +209,9 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         prom.stop()
+        if exporter is not None:
+            exporter.shutdown()
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_targets(args) if args.action == "targets" else run_up(args)
+    return {"targets": run_targets, "queue": run_queue, "up": run_up}[args.action](args)

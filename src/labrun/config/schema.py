@@ -99,6 +99,7 @@ class MonitorConfig:
     gpu_poll_s: float = 5.0  # how often NVML is read (perf/gpu_util, the GPU gauges)
     data_bound_wait_frac: float = 0.3  # data-wait fraction above which a job is data-bound
     gpu_idle_util: float = 0.3  # mean GPU utilisation below which a job's GPUs are idle
+    gpu_good_util: float = 0.7  # mean GPU utilisation from which they are well used
 
 
 @dataclass

@@ -182,11 +182,15 @@ def _validate_monitor(cfg: DictConfig) -> None:
                 f"an address of this machine") from None
     if not monitor.gpu_poll_s > 0:
         raise ConfigError(f"monitor.gpu_poll_s={monitor.gpu_poll_s} must be greater than 0")
-    for name in ("data_bound_wait_frac", "gpu_idle_util"):
+    for name in ("data_bound_wait_frac", "gpu_idle_util", "gpu_good_util"):
         value = monitor[name]
         if not 0 < value < 1:
             raise ConfigError(f"monitor.{name}={value} must be a fraction in (0, 1), "
                               f"e.g. 0.3")
+    if not monitor.gpu_idle_util < monitor.gpu_good_util:
+        raise ConfigError(f"monitor.gpu_idle_util={monitor.gpu_idle_util} must be below "
+                          f"monitor.gpu_good_util={monitor.gpu_good_util}: GPUs busy between "
+                          f"the two are underused, above the second well used")
 
 
 def _check_exists(cfg: DictConfig, key: str) -> None:

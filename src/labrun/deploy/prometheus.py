@@ -38,6 +38,7 @@ INSTALL_HINT = ("install it: sudo apt-get install prometheus (scripts/setup.sh, 
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)')
 MONITORING_DIR = PROJECT_DIR / "monitoring"  # the shipped prometheus.yml, rules, dashboard
 LABRUN_JOB = "labrun"  # the scrape job of training runs, fed by `labrun monitor targets`
+QUEUE_JOB = "labrun-queue"  # the scrape job of `labrun monitor queue`, the cluster's queue
 SERVE_JOB = "labrun-serve"
 START_TIMEOUT_S = 60.0  # /-/ready took 0.1 s here; a TSDB replaying a large WAL takes longer
 
@@ -73,11 +74,14 @@ class Prometheus:
 
 
 def local_config(targets_file: str | Path, *, shipped: str | Path | None = None,
-                 scrape_interval: str | None = None) -> dict[str, Any]:
+                 scrape_interval: str | None = None, queue_target: str | None = None
+                 ) -> dict[str, Any]:
     """The shipped monitoring/prometheus.yml for a Prometheus run from anywhere: the labrun job
     reads `targets_file`, the rule files are absolute paths, and optionally another scrape
-    (and rule evaluation) interval. The example jobs (node-exporter, DCGM) stay: on a
-    machine without those exporters their targets are merely down."""
+    (and rule evaluation) interval. The labrun-queue job scrapes `queue_target` (HOST:PORT of
+    `labrun monitor queue`), and is left out without one: no SLURM cluster here. The example
+    jobs (node-exporter, DCGM) stay: on a machine without those exporters their targets are
+    merely down."""
     shipped = Path(shipped or MONITORING_DIR / "prometheus.yml")
     config = yaml.safe_load(shipped.read_text())
     config["rule_files"] = [str((shipped.parent / rule).resolve())
@@ -88,6 +92,11 @@ def local_config(targets_file: str | Path, *, shipped: str | Path | None = None,
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     jobs[LABRUN_JOB]["file_sd_configs"] = [{"files": [str(Path(targets_file).resolve())],
                                             "refresh_interval": "1m"}]
+    if queue_target is None:
+        config["scrape_configs"] = [job for job in config["scrape_configs"]
+                                    if job["job_name"] != QUEUE_JOB]
+    else:
+        jobs[QUEUE_JOB]["static_configs"] = [{"targets": [queue_target]}]
     return config
 
 

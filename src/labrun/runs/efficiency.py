@@ -17,9 +17,10 @@ Windows are weighed by how long they lasted (their images / their images per sec
 figures are what one window over the same steps would have measured; a short last window of an
 epoch counts for its few steps, not as much as a full one.
 
-Thresholds are the run's own config keys, `monitor.data_bound_wait_frac` and
-`monitor.gpu_idle_util`, read from its saved config; a run saved before they existed gets
-the schema's defaults (MonitorConfig).
+Thresholds are the run's own config keys, `monitor.data_bound_wait_frac`,
+`monitor.gpu_idle_util` and `monitor.gpu_good_util`, read from its saved config; a run saved
+before they existed gets the schema's defaults (MonitorConfig). The GPU bands are the lab
+guide's: under 30% busy the GPUs are idle, from there to 70% underused, above it healthy.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ GPU_UTIL = "perf/gpu_util"
 
 # For runs whose saved config predates the keys: today's defaults.
 DEFAULT_THRESHOLDS = {name: getattr(MonitorConfig(), name)
-                      for name in ("data_bound_wait_frac", "gpu_idle_util")}
+                      for name in ("data_bound_wait_frac", "gpu_idle_util", "gpu_good_util")}
 
 # Verdicts
 DATA_BOUND = "data-bound"
 GPU_IDLE = "GPU idle"
+UNDERUSED = "underused"
 HEALTHY = "healthy"
 NO_DATA = "no data yet"
 
@@ -55,7 +57,7 @@ class Efficiency:
     images_per_s: float | None
     data_wait_frac: float | None
     gpu_util: float | None  # None: not measured (no GPU, or no NVML on the node)
-    verdict: str  # DATA_BOUND | GPU_IDLE | HEALTHY | NO_DATA
+    verdict: str  # DATA_BOUND | GPU_IDLE | UNDERUSED | HEALTHY | NO_DATA
     reason: str | None  # what the figures say ("waits 62% of the time for data")
     fix: str | None  # what to change; None when nothing needs to
     thresholds: dict[str, float]
@@ -124,13 +126,34 @@ def judge(images_per_s: float | None, data_wait: float | None, gpu_util: float |
     if data_wait > thresholds["data_bound_wait_frac"]:
         return DATA_BOUND, f"waits {data_wait:.0%} of the time for data", _data_fix(config)
     if gpu_util is not None and gpu_util < thresholds["gpu_idle_util"]:
-        batch = _number(config, "trainer.batch_size", None)
-        now = f" (now {batch:g})" if batch is not None else ""
         return (GPU_IDLE, f"GPUs busy {gpu_util:.0%} of the time, not waiting for data",
-                f"raise trainer.batch_size{now} so each step gives the GPUs more work, or look "
-                f"for host work in the step (CPU-side transforms, .item() syncs, tiny kernels "
-                f"of a small model)")
+                f"raise trainer.batch_size{_now(config, 'trainer.batch_size')} so each step "
+                f"gives the GPUs more work, or look for host work in the step (CPU-side "
+                f"transforms, .item() syncs, tiny kernels of a small model)")
+    if gpu_util is not None and gpu_util < thresholds["gpu_good_util"]:
+        return (UNDERUSED, f"GPUs busy {gpu_util:.0%} of the time, under "
+                           f"{thresholds['gpu_good_util']:.0%}, not waiting for data",
+                _underused_fix(config))
     return HEALTHY, None, None
+
+
+def _now(config: DictConfig | None, key: str) -> str:
+    """" (now VALUE)" of the run's own `key`, or "" where its config does not say."""
+    value = _select(config, key)
+    return f" (now {value:g})" if is_metric_value(value) else ""
+
+
+def _underused_fix(config: DictConfig | None) -> str:
+    """What to change, in the run's own settings: more work a step, then less time a step."""
+    fixes = [f"raise trainer.batch_size{_now(config, 'trainer.batch_size')}"]
+    precision = _select(config, "precision.name")
+    if precision == "fp32":
+        fixes.append("train in precision=bf16 (now fp32)")
+    if _select(config, "trainer.compile") is False:
+        fixes.append("try trainer.compile=true (now false)")
+    if _select(config, "trainer.channels_last") is False:
+        fixes.append("trainer.channels_last=true for a convolutional model (now false)")
+    return ", ".join(fixes[:-1]) + f" or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
 
 
 def _data_fix(config: DictConfig | None) -> str:

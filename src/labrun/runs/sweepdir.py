@@ -245,7 +245,7 @@ def print_table(jobs: list[Job], title: str, console: Console | None = None,
 
 
 VERDICT_STYLE = {"healthy": "green", "data-bound": "red", "GPU idle": "yellow",
-                 "no data yet": "dim"}
+                 "underused": "yellow", "no data yet": "dim"}
 
 
 def _efficiency_cells(figures: Efficiency) -> list[str]:

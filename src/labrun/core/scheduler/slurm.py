@@ -34,7 +34,7 @@ RECORDED = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_
 # nothing.
 PROBE_PORT = 6817
 # The fields of every job `labrun queue` reads (squeue -O).
-JOB_FIELDS = ["JobID", "UserName", "Account", "QOS", "State", "tres-alloc", "Reason",
+JOB_FIELDS = ["JobID", "UserName", "Account", "QOS", "State", "tres-alloc", "Reason", "SubmitTime",
               "PriorityLong", "Comment", "Name", "Partition"]
 DOWN_STATES = "down,drain,draining,fail,no_respond"
 # Every SLURM command labrun runs (here, and submitit's sbatch), for tools that count them

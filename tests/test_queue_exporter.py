@@ -1,0 +1,162 @@
+"""`labrun monitor queue` on the real test cluster, scraped by a real Prometheus: held jobs
+(`--hold`: nothing runs) pend with the GPUs they ask for, the oldest one's wait grows with the
+clock, a cancelled job leaves the figures, and SLURM is asked at most once a cache period
+however often Prometheus scrapes; a stopped controller is `labrun_queue_up 0` in a scrape that
+still answers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_cluster_slurm import slurm  # noqa: F401 - the fixture that fails without a cluster
+
+from conftest import LABRUN, PROJECT
+from labrun.deploy import prometheus
+from labrun.launch import queue_exporter
+
+pytestmark = pytest.mark.slurm
+
+STATE = Path(os.environ.get("LABRUN_SLURM_STATE", "/tmp/labrun-slurm"))
+ACCOUNT = "nlp"  # the held jobs' account: the figures the test reads are theirs alone
+DEADLINE_S = 120
+
+
+def shims(folder: Path) -> Path:
+    """squeue, sshare and sinfo on PATH that log each call's time, then run the real one."""
+    folder.mkdir()
+    for name in ("squeue", "sshare", "sinfo"):
+        real = subprocess.run(["which", name], capture_output=True, text=True).stdout.strip()
+        (folder / name).write_text(f'#!/bin/sh\necho "{name} $(date +%s.%N) $*" >> '
+                                   f'"{folder}/calls"\nexec {real} "$@"\n')
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def held_job() -> str:
+    out = subprocess.run(["sbatch", "--hold", "--parsable", "-p", "gpu", "-A", ACCOUNT,
+                          "--gres=gpu:2", "-J", "labrun-queue-test", "--wrap", "true"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    return out.strip().split(";")[0]
+
+
+def value(prom: prometheus.Prometheus, expr: str) -> float | None:
+    rows = httpx.get(f"{prom.url}/api/v1/query", params={"query": expr},
+                     timeout=10).json()["data"]["result"]
+    return float(rows[0]["value"][1]) if rows else None
+
+
+def oldest_waits(prom: prometheus.Prometheus) -> list[tuple[float, str]] | None:
+    """The gpu partition's oldest wait in the last 20 s of scrapes, once there are three."""
+    rows = httpx.get(f"{prom.url}/api/v1/query", params={
+        "query": 'labrun_queue_oldest_pending_seconds{partition="gpu"}[20s]'},
+        timeout=10).json()["data"]["result"]
+    return rows[0]["values"] if rows and len(rows[0]["values"]) >= 3 else None
+
+
+def until(condition, what: str, exporter: subprocess.Popen):
+    deadline = time.monotonic() + DEADLINE_S
+    while not (result := condition()):
+        assert exporter.poll() is None, f"the exporter ended while waiting for {what}"
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.5)
+    return result
+
+
+def test_held_jobs_through_a_real_prometheus_and_one_query_a_cache_period(tmp_path):
+    shim = shims(tmp_path / "shims")
+    jobs = [held_job() for _ in range(3)]
+    submitted = time.time()
+    exporter = subprocess.Popen([LABRUN, "monitor", "queue", "--port", "0"], cwd=PROJECT,
+                                env={**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = exporter.stdout.readline()
+        port = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
+        if not port:
+            exporter.kill()
+            pytest.fail(f"labrun monitor queue did not start: {line}{exporter.stdout.read()}")
+        config = prometheus.local_config(tmp_path / "targets.json", scrape_interval="2s",
+                                         queue_target=f"127.0.0.1:{port[1]}")
+        config["scrape_configs"] = [job for job in config["scrape_configs"]
+                                    if job["job_name"] == prometheus.QUEUE_JOB]
+        prometheus.write_config(tmp_path / "prometheus.yml", config)
+        with prometheus.running(tmp_path / "prometheus.yml", tmp_path / "data",
+                                tmp_path / "prometheus.log") as prom:
+            mine = f'{{account="{ACCOUNT}",partition="gpu"}}'
+            until(lambda: value(prom, f"sum(labrun_queue_pending_jobs{mine})") == 3,
+                  "the three held jobs", exporter)
+            assert value(prom, f"sum(labrun_queue_pending_gpus{mine})") == 6  # 2 each
+            assert value(prom, "labrun_queue_up") == 1
+            # The oldest job's wait, scrape after scrape: it grows as the clock does, also
+            # between two scrapes served from one answer of SLURM.
+            samples = until(lambda: oldest_waits(prom), "three scrapes of the oldest wait",
+                            exporter)
+            for (t0, v0), (t1, v1) in zip(samples, samples[1:], strict=False):
+                assert float(v1) - float(v0) == pytest.approx(t1 - t0, abs=0.5), samples
+            assert float(samples[-1][1]) >= samples[-1][0] - submitted - 1
+            subprocess.run(["scancel", *jobs], check=True, timeout=60)
+            until(lambda: value(prom, f"sum(labrun_queue_pending_jobs{mine}) or vector(0)") == 0,
+                  "the cancelled jobs to leave the figures", exporter)
+    finally:
+        subprocess.run(["scancel", *jobs], timeout=60)
+        exporter.send_signal(signal.SIGINT)
+        exporter.wait(timeout=30)
+    calls: dict[str, list[float]] = {}
+    for name, at, *args in (line.split() for line in (shim / "calls").read_text().splitlines()):
+        if args != ["--version"]:  # the start's check that this is a SLURM client
+            calls.setdefault(name, []).append(float(at))
+    # Prometheus scraped every 2 s; SLURM was asked once a cache period (10 s), and again.
+    for name in ("squeue", "sshare", "sinfo"):
+        times = calls.get(name, [])
+        assert len(times) >= 2, calls
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        assert min(gaps) >= queue_exporter.MIN_CACHE_S - 0.1, (name, gaps)
+
+
+def test_a_stopped_controller_is_queue_up_0_in_a_scrape_that_answers():
+    pid = int((STATE / "pids" / "slurmctld.pid").read_text())
+    os.kill(pid, signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and "State:\tZ" not in Path(
+                f"/proc/{pid}/status").read_text(errors="replace"):
+            assert time.monotonic() < deadline, "slurmctld did not stop"
+            time.sleep(0.2)
+        server, port = queue_exporter.serve(0, "127.0.0.1")
+        try:
+            scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=120)
+        finally:
+            server.shutdown()
+        assert scrape.status_code == 200
+        assert re.search(r"(?m)^labrun_queue_up 0\.0$", scrape.text), scrape.text
+        assert "labrun_queue_pending_jobs{" not in scrape.text  # no figures, rather than zeros
+    finally:
+        subprocess.run(["bash", str(PROJECT / "scripts" / "slurm_up.sh"), "--restart-controller"],
+                       check=True, capture_output=True, timeout=120)
+
+
+def test_monitor_up_serves_and_scrapes_the_queue_where_slurm_answers(tmp_path):
+    up = subprocess.Popen([LABRUN, "monitor", "up", "--port", "0", "--output-root",
+                           str(tmp_path / "outputs")], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        line = up.stdout.readline()
+        queue = re.search(r"the SLURM queue from (127\.0\.0\.1:\d+)", line)
+        assert line.startswith("Prometheus: http://127.0.0.1:") and queue, \
+            line + (up.stderr.read() if up.poll() is not None else "")
+        url = line.split()[1]
+        config = httpx.get(f"{url}/api/v1/status/config", timeout=10).json()["data"]["yaml"]
+        assert f"job_name: {prometheus.QUEUE_JOB}" in config and queue[1] in config
+        scrape = httpx.get(f"http://{queue[1]}/metrics", timeout=60).text
+        assert re.search(r"(?m)^labrun_queue_up 1\.0$", scrape), scrape
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(timeout=60)
+    assert code == 0
