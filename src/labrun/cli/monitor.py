@@ -159,12 +159,12 @@ def _slurm_client_or_fail() -> None:
     """One line, before anything is served, where this machine is no SLURM client at all (a
     controller that is down is no error: the exporter says so in labrun_queue_up)."""
     from labrun.core import probes
+    from labrun.core.scheduler import SlurmScheduler
 
     try:
-        probes.slurm_rows("sinfo", "--version")
+        SlurmScheduler.require_client()
     except probes.SlurmError as error:
-        if error.kind in ("missing", "unconfigured"):
-            raise LabrunError(f"{error}; run labrun monitor queue on a login node") from None
+        raise LabrunError(f"{error}; run labrun monitor queue on a login node") from None
 
 
 def _queue_exporter_if_slurm():

@@ -57,9 +57,9 @@ def is_slurm_client() -> bool:
     return slurm_conf() is not None or os.environ.get("LABRUN_SLURM_CONFIGLESS") == "1"
 
 
-def slurm_rows(*args: str, timeout: float = SLURM_TIMEOUT_S) -> list[list[str]]:
-    """The rows of a SLURM command's `|`-separated, header-less output."""
-    command = args[0]
+def require_slurm_client(command: str = "squeue") -> None:
+    """SlurmError ("missing" or "unconfigured") where `command` cannot be asked here at all;
+    asks the controller nothing."""
     if shutil.which(command) is None:
         raise SlurmError(f"{command} not found: this machine is not a SLURM submit host",
                          "missing")
@@ -67,6 +67,12 @@ def slurm_rows(*args: str, timeout: float = SLURM_TIMEOUT_S) -> list[list[str]]:
         raise SlurmError(f"no slurm.conf ($SLURM_CONF or {SLURM_CONF_PLACES[0]}): this machine "
                          f"is not set up as a SLURM client (a configless cluster found through "
                          f"DNS: set LABRUN_SLURM_CONFIGLESS=1)", "unconfigured")
+
+
+def slurm_rows(*args: str, timeout: float = SLURM_TIMEOUT_S) -> list[list[str]]:
+    """The rows of a SLURM command's `|`-separated, header-less output."""
+    command = args[0]
+    require_slurm_client(command)
     try:
         out = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -121,6 +121,12 @@ class SlurmScheduler:
 
     # -- jobs --------------------------------------------------------------------------------
 
+    @staticmethod
+    def require_client() -> None:
+        """SlurmError ("missing", "unconfigured") where this machine is no SLURM client at
+        all; the controller is not asked (it may be down)."""
+        probes.require_slurm_client("squeue")
+
     def _rows(self, *args: str) -> list[list[str]]:
         return probes.slurm_rows(*args, timeout=self.timeout)
 
