@@ -1,4 +1,4 @@
-"""launch/sweep.JobComposer gives each job of a sweep the config Hydra's own load_sweep_config
+"""launch/compose.JobComposer gives each job of a sweep the config Hydra's own load_sweep_config
 composes for it, while composing each distinct config-group choice once (a 1,500-job sweep
 would otherwise spend minutes composing). Both ways, in this process, for a sweep over a group
 (model=simple_cnn,resnet18), a value, a dict merged into a group's node and an interpolation
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf, open_dict
 
 from conftest import PROJECT
 from labrun.config import schema
-from labrun.launch.sweep import JobComposer
+from labrun.launch.compose import JobComposer
 
 JOBS = [["model=" + model, f"optimizer.lr={lr}", "seed=${hydra:job.num}",
          "+optimizer.extra={betas:[0.8,0.9]}" if lr == 0.1 else "dataset.num_workers=1"]

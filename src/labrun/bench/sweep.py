@@ -6,7 +6,7 @@ runs, then cancelled. Without a cluster it says so and measures nothing.
                       one) / (N - 1): composing, planning, writing and submitting one job more,
                       `python train.py`'s start-up and the code snapshot not counted
     hydra_ms_per_job  Hydra's own load_sweep_config of one such job, from scratch (what every
-                      job cost before launch/sweep.JobComposer), in this process: the baseline
+                      job cost before launch/compose.JobComposer), in this process: the baseline
     speedup           hydra_ms_per_job / ms_per_job
     queries_per_pass  the SLURM commands one pass of the launcher's polling
                       (SlurmLauncher.ended) runs for all N jobs, counted by a shim on PATH

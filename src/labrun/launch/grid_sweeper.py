@@ -6,7 +6,7 @@ labrun launcher runs the jobs.
 BasicSweeper composes every job of a batch once before the launcher composes it again, so that
 a job that cannot compose fails before any starts: about 0.9 s a job on a loaded 2-core machine
 (its own comment calls it slow for large sweeps), 190 of a 200-job sweep's 215 s here. labrun's
-launchers compose every job before they start any (launch/sweep.plan, with its JobComposer),
+launchers compose every job before they start any (launch/sweep.plan, with launch/compose.JobComposer),
 and a job that does not compose fails there, the same way, with nothing submitted.
 """
 
