@@ -21,6 +21,8 @@ PYTHON=${PYTHON:-python3}
 # `labrun monitor up` and tests/test_monitoring.py: the Prometheus server and promtool
 # (--no-install-recommends below: its recommends bring node-exporter and IPMI tools).
 command -v prometheus >/dev/null || missing+=(prometheus)
+# The headless browser that tests/test_optuna.py renders optuna-dashboard's page in.
+command -v chromium >/dev/null || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing ${missing[*]} (apt)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

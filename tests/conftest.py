@@ -94,6 +94,49 @@ def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float)
         time.sleep(0.1)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_dashboard(path: Path, *args: str, timeout: float = 120
+                    ) -> tuple[subprocess.Popen, str, list[str]]:
+    """`labrun dashboard PATH --port P ARGS` started, once it has printed where to reach the
+    tool: (the process, the tool's URL without its page, the lines it printed). 120 s: optuna-dashboard and TensorBoard
+    start in a few seconds; a slow start on loaded cores must not fail the test."""
+    port = free_port()
+    proc = subprocess.Popen([LABRUN, "dashboard", str(path), "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=PROJECT)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break  # it ended
+        lines.append(line.rstrip())
+        if line.startswith("Ctrl-C stops"):  # its last line, after the URL and the ssh line
+            url = next(line.split()[1] for line in lines if line.startswith("open "))
+            return proc, url.rstrip("/").removesuffix("/dashboard"), lines
+    proc.kill()
+    raise AssertionError("labrun dashboard printed no URL:\n" + "\n".join(lines))
+
+
+def stop_dashboard(proc: subprocess.Popen, url: str) -> None:
+    """Ctrl-C, as a person stops it: labrun exits 0 and the tool it started no longer answers."""
+    import signal
+
+    import httpx
+
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url, timeout=5)
+
+
 def holder_pid(run_dir: Path) -> int:
     """The process training in `run_dir`: the holder its lock file names (the test cluster's
     nodes share this machine's process ids: a network, host-name and mount namespace each)."""

@@ -13,10 +13,12 @@ import pytest
 
 from labrun import cli
 from labrun.bench import Target, judge, report
+from labrun.bench import dashboard as bench_dashboard
 from labrun.bench import data as bench_data
 from labrun.bench import serve as bench_serve
 from labrun.bench import sweep as bench_sweep
 from labrun.bench import trainer as bench_trainer
+from labrun.bench.dashboard import DASHBOARD_TARGETS
 from labrun.bench.data import DATA_TARGETS
 from labrun.bench.serve import SERVE_TARGETS, serve_targets, serving_bound
 from labrun.bench.sweep import SWEEP_TARGETS
@@ -115,7 +117,8 @@ def test_the_serving_bound_adds_both_costs_on_a_cpu_and_overlaps_them_on_a_gpu()
 
 
 @pytest.mark.parametrize("target", [*TRAINER_TARGETS, *STARTUP_TARGETS,
-                                    *serve_targets("cuda")], ids=lambda t: t.figure)
+                                    *serve_targets("cuda"), *DASHBOARD_TARGETS],
+                         ids=lambda t: t.figure)
 def test_each_benchmark_fails_on_either_side_of_its_bound(target):
     worse, better = (target.bound * 0.9, target.bound * 1.1) if target.op == ">=" else \
         (target.bound, target.bound - 0.5)
@@ -150,6 +153,10 @@ def fake_benchmarks(monkeypatch, speedup: float, ratio: float, difference_s: flo
     monkeypatch.setattr(bench_sweep, "run", lambda args: judge(
         "sweep", {"ms_per_job": 10.0, "hydra_ms_per_job": 200.0, "speedup": 20.0,
                   "queries_per_pass": 1}, SWEEP_TARGETS))
+    # The dashboard benchmark's real run: tests/test_dashboard.py (on fewer runs).
+    monkeypatch.setattr(bench_dashboard, "run", lambda args: judge(
+        "dashboard", {"compare_s": 1.0, "read_files_s": 0.5, "first_write_s": 2.0,
+                      "second_start_s": 0.1}, DASHBOARD_TARGETS))
 
 
 def test_bench_all_check_through_the_cli_names_every_miss_and_exits_1(monkeypatch, capsys):
@@ -176,7 +183,8 @@ def test_bench_all_check_through_the_cli_exits_0_when_all_are_met(monkeypatch, c
     for figure in ("data speedup", "data of_ceiling", "trainer ratio", "startup difference_s",
                    "serve errors", "serve ratio_to_ceiling", "serve ratio_to_bound",
                    "serve ratio_batched_to_unbatched", "serve p99_1_to_bound",
-                   "sweep ms_per_job", "sweep queries_per_pass"):
+                   "sweep ms_per_job", "sweep queries_per_pass", "dashboard compare_s",
+                   "dashboard first_write_s", "dashboard second_start_s"):
         assert f" {figure} " in table, figure
     assert cli.main(["bench", "all"]) == 0
 

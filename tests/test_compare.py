@@ -1,5 +1,6 @@
 """`labrun compare` on a real 3-run sweep, plus planted failed and running runs: the table's
-order (via --csv), --markdown, and a PNG with both panels."""
+order (via --csv), --markdown, and a PNG with both panels; `labrun dashboard` on the same
+sweep (TensorBoard's HParams). Many runs and many parameters: tests/test_dashboard.py."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from PIL import Image
 
-from conftest import FAST, PROJECT, PYTHON, run_labrun
+from conftest import FAST, PROJECT, PYTHON, run_labrun, start_dashboard, stop_dashboard
+from labrun.runs import compare, compare_output
 
 LRS = ("0.0003", "0.003", "0.03")  # spans 100x: the metric-vs-lr panel has a log x-axis
 
@@ -127,3 +130,45 @@ def test_bad_input_is_one_line(sweep, tmp_path, args, expected):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
+
+
+def test_the_plot_names_each_run_by_the_swept_value_in_its_order(sweep):
+    ranked = compare.rank([sweep])
+    fig, _ = compare_output.figure(ranked, None)
+    curves, by_lr = fig.axes[:2]
+    labels = [text.get_text() for text in curves.get_legend().get_texts()]
+    assert labels == [f"lr={lr}" for lr in LRS]  # the swept values, not the folders' numbers
+    assert by_lr.get_xscale() == "log"  # 0.0003 to 0.03: two decades
+
+
+def test_dashboard_serves_the_sweep_in_tensorboards_hparams(sweep):
+    runs = {path: sorted(p.relative_to(path) for p in path.rglob("*"))
+            for path in sweep.iterdir() if path.is_dir() and not path.name.startswith(".")}
+    proc, url, lines = start_dashboard(sweep)
+    try:
+        assert "(3 written, 0 unchanged)" in lines[0]
+        experiment = httpx.post(f"{url}/data/plugin/hparams/experiment",
+                                json={"experimentName": ""}, timeout=30).json()
+        assert [h["name"] for h in experiment["hparamInfos"]] == ["optimizer.lr", "status"]
+        assert [m["name"]["tag"] for m in experiment["metricInfos"]] == ["best/val/acc",
+                                                                        "final/val/acc"]
+        groups = httpx.post(f"{url}/data/plugin/hparams/session_groups", timeout=30, json={
+            "experimentName": "", "startIndex": 0, "sliceSize": 10, "colParams": [],
+            "allowedStatuses": ["STATUS_UNKNOWN"]}).json()["sessionGroups"]
+        best = {float(row["optimizer.lr"]): float(row["best val/acc"]) for row in csv_rows(sweep)}
+        shown = {group["hparams"]["optimizer.lr"]: next(
+            m["value"] for m in group["metricValues"] if m["name"]["tag"] == "best/val/acc")
+            for group in groups}
+        assert shown == pytest.approx(best)  # TensorBoard's float32 scalars
+    finally:
+        stop_dashboard(proc, url)
+    # Nothing was written into a run folder; a second start writes nothing again.
+    assert runs == {path: sorted(p.relative_to(path) for p in path.rglob("*")) for path in runs}
+    again = run_labrun("dashboard", str(sweep), "--prepare-only")
+    assert "(0 written, 3 unchanged)" in again.stdout
+
+
+def csv_rows(sweep: Path) -> list[dict[str, str]]:
+    out = sweep.parent / "for_dashboard.csv"
+    run_labrun("compare", str(sweep), "--csv", str(out))
+    return read_csv(out)

@@ -101,14 +101,27 @@ def test_wandb_failure_never_stops_training(tmp_path):
     assert "x" * 40 not in (tmp_path / "run" / "provenance" / "command.json").read_text()
 
 
-def test_tensorboard_logger_writes_event_files(tmp_path):
+def test_tensorboard_logger_writes_event_files_and_the_runs_hparams(tmp_path):
     run_train("logger=tensorboard", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
-              run_dir=tmp_path / "run")
+              "optimizer.lr=0.02", run_dir=tmp_path / "run")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
 
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
-    assert {"train/loss", "val/acc"} <= set(events.Tags()["scalars"])
+    assert {"train/loss", "val/acc", "best/val/acc", "final/val/acc"} <= set(
+        events.Tags()["scalars"])
+    # The HParams tab's session: the run's overrides as numbers where they are, its status.
+    content = events.PluginTagToContent(metadata.PLUGIN_NAME)
+    start = metadata.parse_session_start_info_plugin_data(
+        content[metadata.SESSION_START_INFO_TAG])
+    assert start.hparams["optimizer.lr"].number_value == 0.02
+    assert start.hparams["status"].string_value == "completed"
+    assert start.hparams["logger"].string_value == "tensorboard"
+    experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    assert [m.name.tag for m in experiment.metric_infos] == ["best/val/acc", "final/val/acc"]
+    best = events.Scalars("best/val/acc")[-1].value
+    assert best == pytest.approx(read_summary(tmp_path / "run")["best/val/acc"])
 
 
 def test_provenance_records_a_patch_when_the_tree_is_dirty(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
     labrun bench data [--root DIR] [--images N] [--json FILE] [--check]
     labrun bench trainer | startup | serve      (trainer.py, serve.py)
     labrun bench sweep [--jobs N]     submitting a held SLURM sweep (sweep.py)
+    labrun bench dashboard [--runs N] compare and dashboard on N synthetic runs (dashboard.py)
     labrun bench all [--check]        every benchmark with its defaults (`make bench`)
 
 Each benchmark is a configure(parser) + run(args) pair, named in BENCHES by module and
@@ -55,4 +56,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "sweep": ("labrun.bench.sweep", "",
               "submitting a held SLURM sweep of N jobs: ms a job vs Hydra's per-job compose, "
               "SLURM queries a polling pass"),
+    "dashboard": ("labrun.bench.dashboard", "",
+                  "a large sweep's results: labrun compare, the first and a second labrun "
+                  "dashboard start, on N synthetic runs"),
 }

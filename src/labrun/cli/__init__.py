@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gc": ("labrun.cli.gc", "remove the checkpoints a finished sweep's jobs need not keep"),
     "queue": ("labrun.cli.queue", "the SLURM cluster: GPUs in use, fair share, pending jobs"),
     "compare": ("labrun.cli.compare", "compare runs: table, csv, markdown, plot"),
+    "dashboard": ("labrun.cli.dashboard", "a sweep's results in a browser, no W&B account: "
+                  "optuna-dashboard or TensorBoard HParams"),
     "configs": ("labrun.cli.configs", "check or diff configs for review"),
     "export": ("labrun.cli.export", "export a run's model to TorchScript or ONNX"),
     "serve": ("labrun.cli.serve", "serve an exported model over HTTP"),

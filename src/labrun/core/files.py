@@ -64,11 +64,18 @@ def fsync_folder(folder: str | Path) -> None:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The complete lines of a JSON-lines file (a line cut short by a crash is dropped)."""
-    path = Path(path)
-    if not path.exists():
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
         return []
+    try:
+        # One parse for the whole file (`labrun compare` reads a sweep's every metrics.jsonl);
+        # line by line only when a line is damaged.
+        return json.loads("[" + ",".join(line for line in lines if line.strip()) + "]")
+    except json.JSONDecodeError:
+        pass
     rows = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

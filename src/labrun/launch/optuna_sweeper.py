@@ -45,7 +45,14 @@ from labrun.config import validation
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.launch import search_space, sweep
 from labrun.runs.rundir import RunDir
-from labrun.runs.sweepdir import Job, SweepDir, open_storage, print_table, read_result
+from labrun.runs.sweepdir import (
+    TRIAL_CALLBACK,
+    Job,
+    SweepDir,
+    open_storage,
+    print_table,
+    read_result,
+)
 from labrun.train.pruning import PRUNER_ATTR
 
 log = logging.getLogger(__name__)
@@ -55,7 +62,7 @@ log = logging.getLogger(__name__)
 
 JOURNAL = "optuna.journal"
 RESULTS = "optimization_results.yaml"
-CALLBACK = "+callbacks.optuna"  # the pruning callback's overrides (train/pruning.py)
+CALLBACK = f"+{TRIAL_CALLBACK}"  # the pruning callback's overrides (train/pruning.py)
 
 
 class OptunaSweeper(Sweeper):

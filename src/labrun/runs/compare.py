@@ -4,9 +4,9 @@ Each row shows the overrides that differ between the runs (.hydra/overrides.yaml
 the best and final value of the metric, epochs and wall time; rows are sorted best first by
 --metric/--mode (default: the runs' checkpoint.monitor and checkpoint.mode), and runs that did
 not complete (pruned by an Optuna search, failed, running, interrupted) come last with their
-status. The same table goes
-to the terminal (rich), to --csv and to --markdown; --plot draws learning curves and, for a
-sweep over one numeric parameter, the metric against that parameter.
+status. The same table goes to the terminal (rich), to --csv and to --markdown; --plot draws
+learning curves labelled by the overrides that vary, the best value against each numeric one,
+and an Optuna study's parameter importances (compare_output.py).
 """
 
 from __future__ import annotations
@@ -21,30 +21,32 @@ from typing import Any
 
 from labrun.core.errors import LabrunError
 from labrun.runs import compare_output as output
-from labrun.runs.rundir import RunDir, is_metric_value
+from labrun.runs.rundir import ROW_BOOKKEEPING, RunDir, is_metric_value
+from labrun.runs.sweepdir import TRIAL_CALLBACK, SweepDir
 
 log = logging.getLogger(__name__)
 
-NOT_METRICS = {"step", "epoch", "time"}  # bookkeeping columns of metrics.jsonl
 
+@dataclass
+class Comparison:
+    """The runs best first by `metric` (`mode`), the override keys that vary among them, and
+    those of the keys whose values are numbers (the plot's parameters)."""
 
-
-
+    runs: list[Run]
+    metric: str
+    mode: str
+    keys: list[str]
+    parameters: list[str] = field(default_factory=list)
 
 
 def compare(paths: list[Path], *, metric: str | None = None, mode: str | None = None,
             csv_file: Path | None = None, markdown: Path | None = None,
             plot_file: Path | None = None) -> list[Run]:
     """The whole command: read, rank, print the table, write the files asked for."""
-    runs = [load_run(path) for path in find_runs(paths)]
-    name_runs(runs)
-    metric, mode = choose_metric(runs, metric, mode)
-    for one in runs:
-        one.best, one.final = best_and_final(one, metric, mode)
-    runs.sort(key=lambda one: sort_key(one, mode))
-    keys = differing_overrides(runs)
-    columns, rows = output.table(runs, keys, metric)
-    title = f"{len(runs)} run(s), sorted by best {metric} ({mode})"
+    ranked = rank(paths, metric, mode)
+    runs, metric = ranked.runs, ranked.metric
+    columns, rows = output.table(runs, ranked.keys, metric)
+    title = f"{len(runs)} run(s), sorted by best {metric} ({ranked.mode})"
     output.print_table(title, columns, rows, runs)
     if csv_file:
         output.write_csv(csv_file, columns, rows)
@@ -53,9 +55,22 @@ def compare(paths: list[Path], *, metric: str | None = None, mode: str | None = 
         output.write_markdown(markdown, title, columns, rows)
         log.info("wrote %s", markdown)
     if plot_file:
-        panels = output.plot(plot_file, runs, metric, mode, numeric_parameter(runs, keys))
+        importances = study_importances(paths, ranked)
+        panels = output.plot(plot_file, ranked, importances)
         log.info("wrote %s (%s)", plot_file, panels)
     return runs
+
+
+def rank(paths: list[Path], metric: str | None = None, mode: str | None = None) -> Comparison:
+    """Read the run folders among `paths` and rank them (what compare and dashboard share)."""
+    runs = [load_run(path) for path in find_runs(paths)]
+    name_runs(runs)
+    metric, mode = choose_metric(runs, metric, mode)
+    for one in runs:
+        one.best, one.final = best_and_final(one, metric, mode)
+    runs.sort(key=lambda one: sort_key(one, mode))
+    keys = differing_overrides(runs)
+    return Comparison(runs, metric, mode, keys, numeric_parameters(runs, keys))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,20 +137,24 @@ def load_run(path: Path) -> Run:
     # A summary half-written by a crash reads as {}: the status shows as unknown.
     run = Run(path=path, history=folder.read_metrics(), summary=folder.read_summary())
     run.overrides = parse_overrides(folder.try_overrides() or [])
-    checkpoint = (folder.try_saved_config() or {}).get("checkpoint") or {}
-    run.monitor = checkpoint.get("monitor") or run.summary.get("monitor")
-    run.mode = checkpoint.get("mode")
+    run.monitor, run.mode = run.summary.get("monitor"), run.summary.get("mode")
+    if not (run.monitor and run.mode):  # a run from before summary.json recorded its mode
+        checkpoint = (folder.try_saved_config() or {}).get("checkpoint") or {}
+        run.monitor = checkpoint.get("monitor") or run.monitor
+        run.mode = checkpoint.get("mode")
     run.seconds = wall_time(run, folder.config_path)
     return run
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, str]:
-    """`optimizer.lr=0.01` -> {"optimizer.lr": "0.01"}; Hydra's own settings are left out."""
+    """`optimizer.lr=0.01` -> {"optimizer.lr": "0.01"}. Hydra's own settings and the plumbing
+    of an Optuna trial's pruning callback (its storage, study and trial number) are left out:
+    neither is something a person varied."""
     parsed = {}
     for override in overrides:
         key, _, value = str(override).partition("=")
         key = key.lstrip("+")
-        if not key.startswith("hydra."):
+        if not key.startswith(("hydra.", f"{TRIAL_CALLBACK}.")):
             parsed[key] = value
     return parsed
 
@@ -191,10 +210,10 @@ def choose_metric(runs: list[Run], metric: str | None, mode: str | None) -> tupl
 def known_metrics(runs: list[Run]) -> set[str]:
     names = set()
     for one in runs:
-        for row in one.history:
-            names.update(key for key, value in row.items() if is_metric_value(value))
+        for row in one.history:  # metrics.jsonl holds only metrics (null for a NaN) and
+            names.update(row)    # its bookkeeping columns
         names.update(key for key, value in one.summary.items() if is_metric_value(value))
-    return names - NOT_METRICS
+    return names - ROW_BOOKKEEPING
 
 
 def default_mode(runs: list[Run], metric: str) -> str:
@@ -229,13 +248,31 @@ def differing_overrides(runs: list[Run]) -> list[str]:
     return [key for key in keys if len({one.overrides.get(key) for one in runs}) > 1]
 
 
-def numeric_parameter(runs: list[Run], keys: list[str]) -> str | None:
-    """The swept parameter when exactly one override differs and its values are numbers."""
-    if len(keys) != 1:
+def numeric_parameters(runs: list[Run], keys: list[str]) -> list[str]:
+    """The varying overrides whose values are all numbers (one panel each in the plot)."""
+    numeric = []
+    for key in keys:
+        try:
+            numbers = {float(one.overrides[key]) for one in runs if key in one.overrides}
+        except ValueError:
+            continue
+        if len(numbers) > 1:
+            numeric.append(key)
+    return numeric
+
+
+def study_importances(paths: list[Path], ranked: Comparison) -> dict[str, float] | None:
+    """Optuna's parameter importances when the one folder compared is a study's sweep folder
+    (its jobs.json names the study); None otherwise, or while fewer than two trials have
+    completed (Optuna needs them to say anything)."""
+    if len(paths) != 1:
         return None
-    values = [one.overrides[keys[0]] for one in runs if keys[0] in one.overrides]
-    try:
-        numbers = {float(value) for value in values}
-    except ValueError:
+    study = SweepDir(paths[0]).study()
+    if study is None:
         return None
-    return keys[0] if len(numbers) > 1 else None
+    import optuna
+
+    finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if len(finished) < 2 or not any(trial.params for trial in finished):
+        return None
+    return optuna.importance.get_param_importances(study)

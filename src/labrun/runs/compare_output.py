@@ -17,8 +17,8 @@ from rich.table import Table
 
 from labrun.runs.rundir import is_metric_value
 
-if TYPE_CHECKING:  # compare imports this module; the type alone comes back
-    from labrun.runs.compare import Run
+if TYPE_CHECKING:  # compare imports this module; the types alone come back
+    from labrun.runs.compare import Comparison, Run
 
 STATUS_STYLE = {"completed": "green", "pruned": "blue", "failed": "red", "running": "yellow",
                 "interrupted": "magenta"}
@@ -106,60 +106,137 @@ def write_markdown(path: Path, title: str, columns: list[str], rows: list[list[A
 # ---------------------------------------------------------------------------------------------
 # The plot
 
+LABELLED = 10  # curves named in the legend; the rest are drawn thin and grey
+PANELS_A_ROW = 3
+LINE_STYLE = {"completed": "-", "running": "-", "pruned": "--"}  # failed, interrupted: ":"
+MARKER = {"completed": "o", "running": "o", "pruned": "v"}  # failed, interrupted: "x"
 
-def plot(path: Path, runs: list[Run], metric: str, mode: str, parameter: str | None) -> str:
-    """Learning curves, and best metric vs `parameter` when given. Returns what it drew."""
-    import matplotlib
 
-    matplotlib.use("Agg")  # files only: no display on cluster nodes
+def plot(path: Path, ranked: Comparison, importances: dict[str, float] | None) -> str:
+    """The figure() as a PNG; returns what it drew."""
     import matplotlib.pyplot as plt
 
-    panels = 2 if parameter else 1
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False, dpi=100)
-    curves = axes[0][0]
-    for one in _in_parameter_order(runs, parameter):
-        points = [(row["step"], row[metric]) for row in one.history
-                  if is_metric_value(row.get(metric)) and is_metric_value(row.get("step"))]
-        if points:
-            steps, values = zip(*points, strict=True)
-            curves.plot(steps, values, marker="o", markersize=3, label=_label(one, parameter))
-    curves.set(xlabel="step", ylabel=metric, title=f"{metric} per run")
-    curves.grid(alpha=0.3)
-    if curves.lines:
-        curves.legend(fontsize="small")
-    drawn = "learning curves"
-    if parameter:
-        _plot_parameter(axes[0][1], runs, metric, mode, parameter)
-        drawn += f"; best {metric} vs {parameter}"
-    fig.tight_layout()
+    fig, drawn = figure(ranked, importances)
     fig.savefig(path)
     plt.close(fig)
     return drawn
 
 
-def _plot_parameter(ax, runs: list[Run], metric: str, mode: str, parameter: str) -> None:
-    points = sorted((float(one.overrides[parameter]), one.best) for one in runs
-                    if parameter in one.overrides and one.best is not None)
-    if points:
-        xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o")
-        if min(xs) > 0 and max(xs) / min(xs) > 10:
-            ax.set_xscale("log")  # learning rates and weight decays are swept in decades
-    ax.set(xlabel=parameter, ylabel=f"best {metric} ({mode})",
-           title=f"best {metric} vs {parameter}")
+def figure(ranked: Comparison, importances: dict[str, float] | None) -> tuple[Any, str]:
+    """Learning curves labelled by the overrides that vary (the top LABELLED runs; the others
+    thin and grey), one panel of the best value against each numeric parameter that varies,
+    and the study's parameter importances when given. Pruned and failed runs are drawn
+    dashed and dotted, and marked in the legend and the parameter panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on cluster nodes
+    import matplotlib.pyplot as plt
+
+    parameters = ranked.parameters
+    count = 1 + len(parameters) + bool(importances)
+    columns = min(count, PANELS_A_ROW)
+    rows = math.ceil(count / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4.5 * rows), squeeze=False,
+                             dpi=100)
+    panels = list(axes.flat)
+    for spare in panels[count:]:
+        spare.set_visible(False)
+    drawn = [_plot_curves(panels[0], ranked, parameters)]
+    for ax, parameter in zip(panels[1:], parameters, strict=False):
+        _plot_parameter(ax, ranked, parameter)
+        drawn.append(f"best {ranked.metric} vs {parameter}")
+    if importances:
+        _plot_importances(panels[len(parameters) + 1], importances)
+        drawn.append("parameter importances")
+    fig.tight_layout()
+    return fig, "; ".join(drawn)
+
+
+def _plot_curves(ax, ranked: Comparison, parameters: list[str]) -> str:
+    metric = ranked.metric
+    with_points = [(one, _points(one, metric)) for one in ranked.runs]
+    with_points = [(one, points) for one, points in with_points if points]
+    named = with_points[:LABELLED]  # the runs are ranked best first
+    if len(parameters) == 1 and len(with_points) <= LABELLED:
+        # Every run named: the legend reads in the swept values' order (lr 0.001, 0.01, 0.1).
+        named.sort(key=lambda pair: float(pair[0].overrides.get(parameters[0], math.inf)))
+    for _, points in with_points[LABELLED:]:
+        steps, values = zip(*points, strict=True)
+        ax.plot(steps, values, color="0.75", linewidth=0.6, zorder=1, label="_nolegend_")
+    for one, points in named:
+        steps, values = zip(*points, strict=True)
+        ax.plot(steps, values, marker="o", markersize=3, zorder=2,
+                linestyle=LINE_STYLE.get(one.status, ":"), label=label(one, ranked.keys))
+    others = len(with_points) - len(named)
+    title = f"{metric} per run" + (f" (top {len(named)}; {others} more in grey)" if others else "")
+    ax.set(xlabel="step", ylabel=metric, title=title)
     ax.grid(alpha=0.3)
+    if named:
+        ax.legend(fontsize="small")
+    return "learning curves" + (f" of the top {len(named)}" if others else "")
 
 
-def _in_parameter_order(runs: list[Run], parameter: str | None) -> list[Run]:
-    """The legend reads in the order of the swept values (lr 0.001, 0.01, 0.1)."""
-    if not parameter:
-        return runs
-    return sorted(runs, key=lambda one: float(one.overrides.get(parameter, math.inf)))
+def _points(run: Run, metric: str) -> list[tuple[float, float]]:
+    return [(row["step"], row[metric]) for row in run.history
+            if is_metric_value(row.get(metric)) and is_metric_value(row.get("step"))]
 
 
-def _label(run: Run, parameter: str | None) -> str:
-    if parameter and parameter in run.overrides:
-        label = f"{parameter}={run.overrides[parameter]}"
-    else:
-        label = run.name
-    return label if run.status == "completed" else f"{label} ({run.status})"
+def _plot_parameter(ax, ranked: Comparison, parameter: str) -> None:
+    """Best value against one parameter: completed runs as dots (joined when this is the only
+    parameter that varies), pruned and failed runs marked apart."""
+    by_status: dict[str, list[tuple[float, float]]] = {}
+    for one in ranked.runs:
+        if parameter in one.overrides and one.best is not None:
+            point = (float(one.overrides[parameter]), one.best)
+            by_status.setdefault(one.status, []).append(point)
+    alone = len(ranked.keys) == 1
+    for status, points in sorted(by_status.items(), key=lambda item: item[0] != "completed"):
+        xs, ys = zip(*sorted(points), strict=True)
+        ax.plot(xs, ys, marker=MARKER.get(status, "x"), markersize=4 if alone else 3,
+                linestyle="-" if alone and status == "completed" else "none",
+                label=status, color=STATUS_COLOR.get(status, "tab:red"))
+    xs = [x for points in by_status.values() for x, _ in points]
+    if xs and min(xs) > 0 and max(xs) / min(xs) > 10:
+        ax.set_xscale("log")  # learning rates and weight decays are swept in decades
+    ax.set(xlabel=parameter, ylabel=f"best {ranked.metric} ({ranked.mode})",
+           title=f"best {ranked.metric} vs {parameter}")
+    ax.grid(alpha=0.3)
+    if len(by_status) > 1:
+        ax.legend(fontsize="small")
+
+
+def _plot_importances(ax, importances: dict[str, float]) -> None:
+    """Optuna's importances (optuna.importance, fANOVA by default), largest on top."""
+    names = list(importances)[::-1]
+    ax.barh(names, [importances[name] for name in names], color="tab:blue")
+    ax.set(xlabel="importance (Optuna, fANOVA)", title="parameter importances")
+    ax.grid(alpha=0.3, axis="x")
+
+
+STATUS_COLOR = {"completed": "tab:blue", "running": "tab:olive", "pruned": "tab:gray"}
+
+
+def label(run: Run, keys: list[str]) -> str:
+    """The run by the overrides that vary (`lr=0.003 wd=0.05`), its status when it did not
+    complete; its folder's name when nothing varies."""
+    short = short_names(keys)
+    parts = [f"{short[key]}={_value(run.overrides[key])}" for key in keys
+             if key in run.overrides]
+    text = " ".join(parts) or run.name
+    return text if run.status == "completed" else f"{text} ({run.status})"
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """Each key by its last part (optimizer.lr -> lr) unless two keys would read the same."""
+    last = [key.rsplit(".", 1)[-1] for key in keys]
+    return {key: name if last.count(name) == 1 else key
+            for key, name in zip(keys, last, strict=True)}
+
+
+def _value(text: str) -> str:
+    """Optuna's floats (0.0031622776601683794) as a person reads them (0.00316)."""
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return text if len(text) <= 7 or number.is_integer() else f"{number:.3g}"

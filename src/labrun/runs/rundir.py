@@ -42,6 +42,11 @@ from labrun.runs.lock import ensure_owner
 
 # summary.json "status" values
 STATUSES = ("running", "completed", "pruned", "failed", "interrupted")
+# libyaml's safe loader where PyYAML has it: 8x faster than the pure-Python one on a saved
+# config, which `labrun compare` and `labrun dashboard` read for each of a sweep's runs.
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# The columns of a metrics.jsonl row that say when it was logged; the rest are metrics.
+ROW_BOOKKEEPING = frozenset({"step", "epoch", "time"})
 
 
 def _clean(value: Any) -> Any:
@@ -198,13 +203,13 @@ class RunDir:
         """The overrides the run was started with (None: no .hydra/overrides.yaml)."""
         if not self.overrides_path.is_file():
             return None
-        return list(yaml.safe_load(self.overrides_path.read_text()) or [])
+        return list(yaml.load(self.overrides_path.read_text(), Loader=YAML_LOADER) or [])
 
     def saved_config(self) -> dict[str, Any] | None:
         """The composed config Hydra saved (unresolved; None when there is none)."""
         if not self.config_path.is_file():
             return None
-        return yaml.safe_load(self.config_path.read_text()) or {}
+        return yaml.load(self.config_path.read_text(), Loader=YAML_LOADER) or {}
 
     def saved_config_node(self) -> DictConfig | None:
         """The saved config as OmegaConf reads it (YAML 1.2 numbers such as 1e-3 are floats, as

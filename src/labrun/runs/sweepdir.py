@@ -6,6 +6,7 @@
                       `attempts`, the earlier ones, so a job submitted again loses no record
       0/, 1/, ...     one run folder per job (RunDir)
       optuna.journal  an Optuna study's storage (hparams_search=optuna; open_storage)
+      .dashboard/     `labrun dashboard`'s own files (runs/dashboard.py)
 
 The launchers (labrun.launch) write jobs.json as jobs start and end; `labrun status` reads it.
 Each job's outcome comes from its own run folder (read_result), never from the launcher's
@@ -38,6 +39,10 @@ MANIFEST = "jobs.json"
 ENDED = ("completed", "pruned", "failed", "interrupted")
 # Jobs in these states need not run again.
 FINISHED = ("completed", "skipped", "pruned")
+# The `+callbacks.optuna.*` overrides an Optuna trial gets for its pruning callback
+# (train/pruning.py): its storage, study and trial number. Plumbing, not parameters: the tables
+# and plots of a sweep leave them out.
+TRIAL_CALLBACK = "callbacks.optuna"
 
 
 @dataclass
@@ -127,6 +132,26 @@ class SweepDir:
             checkpoints += stat.st_size if path.parent.name == "checkpoints" else 0
         return total, checkpoints
 
+    def study_record(self) -> dict[str, str] | None:
+        """{"name", "storage"} of the Optuna study this sweep folder runs (jobs.json), or None
+        (a grid sweep, or no jobs.json)."""
+        try:
+            study = json.loads(self.jobs_path.read_text()).get("study")
+        except (OSError, ValueError):
+            return None
+        return study if isinstance(study, dict) and study.get("storage") else None
+
+    def study(self) -> Any:
+        """The Optuna study of study_record(), loaded from its storage; None without one or
+        when its journal file is gone (a sweep folder copied without it)."""
+        record = self.study_record()
+        if record is None or ("://" not in record["storage"]
+                              and not Path(record["storage"]).is_file()):
+            return None
+        import optuna
+
+        return optuna.load_study(study_name=record["name"], storage=open_storage(record["storage"]))
+
     def read_jobs(self) -> dict[str, Any]:
         """jobs.json with its "jobs" as Job objects; LabrunError when the folder has none."""
         if not self.jobs_path.is_file():
@@ -200,7 +225,8 @@ def last_error_line(log: str | None) -> str | None:
 
 def varying_overrides(jobs: list[Job]) -> dict[int, str]:
     """Per job, only the overrides that differ between the sweep's jobs."""
-    lists = [filter_overrides(job.overrides) for job in jobs]
+    lists = [[o for o in filter_overrides(job.overrides)
+              if not o.lstrip("+").startswith(f"{TRIAL_CALLBACK}.")] for job in jobs]
     # One job alone (a search launches trials one by one): show all of its overrides.
     common = set.intersection(*(set(o) for o in lists)) if len(lists) > 1 else set()
     return {job.num: " ".join(o for o in overrides if o not in common) or "(defaults)"

@@ -22,7 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from labrun.core import probes
 from labrun.core.errors import one_line
 from labrun.data import call_target
-from labrun.runs.rundir import RunDir
+from labrun.runs.compare import parse_overrides
+from labrun.runs.hparams import hparam_value, metric_tags
+from labrun.runs.rundir import RunDir, is_metric_value
 from labrun.track import wandb_history
 
 log = logging.getLogger(__name__)
@@ -200,11 +202,14 @@ def _warn(message: str) -> None:
 
 
 class TensorBoardTracker:
-    """Event files in the run folder: `tensorboard --logdir outputs/`."""
+    """Event files in the run folder: `tensorboard --logdir outputs/`. At the end of the run
+    it adds the run's HParams (its overrides, its status, best/ and final/ of
+    checkpoint.monitor), so that TensorBoard's HParams tab lays a sweep's runs side by side
+    with no conversion step (`labrun dashboard` does that step for runs of other loggers)."""
 
     run_id = None
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, run: RunInfo):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
@@ -212,13 +217,25 @@ class TensorBoardTracker:
 
             raise ConfigError("logger=tensorboard needs the tensorboard package: "
                               "pip install -e '.[tensorboard]'") from error
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard_dir))
+        self.overrides = parse_overrides(run.sweep.get("overrides") or [])
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 
     def finish(self, status: str, summary: dict[str, Any]) -> None:
+        monitor = summary.get("monitor")
+        values = {"status": status, **{key: hparam_value(value)
+                                       for key, value in self.overrides.items()}}
+        best, final = summary.get(f"best/{monitor}"), summary.get(monitor)
+        metrics = {tag: value for tag, value in zip(metric_tags(monitor), (best, final),
+                                                    strict=True) if is_metric_value(value)}
+        try:
+            # run_name ".": the session is this run's own event folder, beside its scalars.
+            self.writer.add_hparams(values, metrics, run_name=".", global_step=summary.get("step"))
+        except Exception as error:  # noqa: BLE001 - the run's result is already saved
+            _warn(f"TensorBoard: could not write the run's hparams ({one_line(error)})")
         self.writer.close()
 
 

@@ -126,7 +126,7 @@ class Trainer:
         restore_signals = self.signals.catch()
         self.folder.summary.pop("stopped_early", None)  # set again below if it still holds
         self.folder.update_summary(status="running", error=None, epoch=self.epoch, step=self.step,
-                                   monitor=monitor, ended_at=None,
+                                   monitor=monitor, mode=self.cfg.checkpoint.mode, ended_at=None,
                                    started_at=self.folder.summary.get("started_at") or time.time(),
                                    # The scheduler's count of this job's requeues
                                    # (preemption, node failure), for `labrun status`.
