@@ -1,4 +1,5 @@
-"""`labrun doctor`: every check runs and reports ok / warning / failed with a fix."""
+"""`labrun doctor`: every check runs and reports ok / warning / failed with a fix; the driver
+check (torch's CUDA build against the node's driver), in doctor and at a GPU job's start."""
 
 from __future__ import annotations
 
@@ -6,10 +7,15 @@ import json
 import os
 import subprocess
 
+import pytest
 import torch
 
 from conftest import LABRUN, PROJECT
 from labrun import doctor
+from labrun.core import probes
+from labrun.core.errors import ConfigError
+from labrun.doctor import gpu
+from labrun.train import distributed
 
 EXPECTED = {"python", "torch", "torchvision", "cuda", "bf16", "nccl", "turbojpeg", "jpeg regions",
             "h5py", "wandb", "slurm", "slurm partition", "disk outputs", "disk data", "requirements"}
@@ -62,3 +68,79 @@ def test_two_process_all_reduce_runs_on_the_cpu_with_gloo():
     # Two spawned processes import torch and meet: seconds, several times that on a loaded
     # machine; 60 s bounds a rendezvous that never happens.
     assert doctor.two_process_all_reduce(backend="gloo", timeout_s=60) is None
+
+
+# -- the driver check: NVML's answers stood in at the library boundary (no GPU here) -----------
+
+
+class FakeNVML:
+    """pynvml as a node with a driver answers it: `cuda` is nvmlSystemGetCudaDriverVersion's
+    number (12040: CUDA 12.4), None for a node without a driver (nvmlInit fails)."""
+
+    def __init__(self, monkeypatch, cuda: int | None, driver: str = "550.54.15", gpus: int = 4):
+        import pynvml
+
+        def init():
+            if cuda is None:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+        monkeypatch.setattr(pynvml, "nvmlInit", init)
+        monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+        monkeypatch.setattr(pynvml, "nvmlSystemGetCudaDriverVersion", lambda: cuda)
+        monkeypatch.setattr(pynvml, "nvmlSystemGetDriverVersion", lambda: driver)
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: gpus)
+        probes.gpu_driver_version.cache_clear()  # asked once a process; this "node" is new
+
+
+@pytest.fixture(autouse=True)
+def forget_the_fake_driver():
+    yield
+    probes.gpu_driver_version.cache_clear()  # the next test asks the real machine again
+
+
+@pytest.mark.parametrize("cuda, torch_cuda, verdict", [
+    (12040, "12.1", "fits"),  # an older minor: fits
+    (13000, "12.8", "fits"),  # an older major: the driver runs it
+    (12020, "12.8", "minor"),  # a newer minor: minor-version compatibility
+    (12020, "13.0", "too new"),  # a newer major: torch sees no GPU
+])
+def test_torch_cuda_fit_compares_the_build_with_the_drivers_newest_cuda(
+        monkeypatch, cuda, torch_cuda, verdict):
+    FakeNVML(monkeypatch, cuda)
+    fit = probes.torch_cuda_fit("2.14.1", torch_cuda)
+    assert fit.verdict == verdict
+    assert f"CUDA {torch_cuda}" in fit.line and "driver 550.54.15" in fit.line
+    assert f"runs CUDA up to {cuda // 1000}.{cuda % 1000 // 10}" in fit.line
+    assert (fit.fix == "") == (verdict == "fits")
+
+
+def test_nothing_to_fit_without_a_driver_or_with_a_cpu_build(monkeypatch):
+    FakeNVML(monkeypatch, None)
+    assert probes.torch_cuda_fit("2.14.1", "12.8") is None
+    FakeNVML(monkeypatch, 12040)
+    assert probes.torch_cuda_fit("2.14.1+cpu", None) is None
+
+
+def test_doctor_fails_a_torch_the_driver_cannot_run_naming_both_and_the_fix(monkeypatch):
+    FakeNVML(monkeypatch, 12020, driver="535.104.05")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    check = gpu.check_cuda()
+    assert check.status == "failed"
+    assert check.detail.startswith(f"torch {torch.__version__} is built for CUDA 13.0; this "
+                                   f"node's NVIDIA driver 535.104.05 runs CUDA up to 12.2")
+    assert "torch built for CUDA 12.2 or older" in check.fix and "container image" in check.fix
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert gpu.check_cuda().status == "warning"
+
+
+@pytest.mark.parametrize("accelerator", ["auto", "cuda"])
+def test_a_gpu_job_refuses_a_torch_the_driver_cannot_run_before_loading_data(
+        monkeypatch, accelerator):
+    FakeNVML(monkeypatch, 12020)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    # distributed.setup picks the device first thing, before job.py builds the dataset.
+    with pytest.raises(ConfigError, match=r"built for CUDA 13\.0; .* runs CUDA up to 12\.2: "
+                                          r"torch cannot use this node's GPUs; install"):
+        distributed.pick_device(accelerator, 0)
+    # A run asked onto the CPU is not the driver's business.
+    assert distributed.pick_device("cpu", 0).type == "cpu"

@@ -111,6 +111,59 @@ def gpu_driver_version() -> str | None:
     return version.decode() if isinstance(version, bytes) else str(version)
 
 
+def cuda_driver_version() -> tuple[int, int] | None:
+    """The newest CUDA the NVIDIA driver runs, as (major, minor): NVML's
+    nvmlSystemGetCudaDriverVersion (12040 -> (12, 4)); None without NVML or a driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = int(pynvml.nvmlSystemGetCudaDriverVersion())
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+    return version // 1000, version % 1000 // 10
+
+
+@dataclass(frozen=True)
+class CudaFit:
+    """Whether torch's CUDA build runs on this node's driver: "fits", "minor" (a newer minor
+    version of the same major: it runs through CUDA's minor-version compatibility, but
+    kernels built from PTX and features of the newer minor need a newer driver) or "too new"
+    (the driver cannot run it: torch sees no GPU)."""
+
+    verdict: str
+    line: str
+    fix: str = ""
+
+
+def torch_cuda_fit(torch_version: str, torch_cuda: str | None) -> CudaFit | None:
+    """torch's CUDA build (torch.version.cuda) against the driver's newest CUDA; None when
+    there is nothing to compare (a CPU build of torch, or no driver here)."""
+    driver = cuda_driver_version()
+    if torch_cuda is None or driver is None:
+        return None
+    built = tuple(int(part) for part in torch_cuda.split(".")[:2])
+    runs = f"{driver[0]}.{driver[1]}"
+    line = (f"torch {torch_version} is built for CUDA {torch_cuda}; this node's NVIDIA driver "
+            f"{gpu_driver_version() or '(version unknown)'} runs CUDA up to {runs}")
+    fix = (f"install a torch built for CUDA {runs} or older (pip install torch --index-url "
+           f"https://download.pytorch.org/whl/cuXY, XY <= {driver[0]}{driver[1]}), or run in "
+           f"a container image whose CUDA is {runs} or older (cluster.container.image), or "
+           f"update the node's driver")
+    if built[0] > driver[0]:
+        return CudaFit("too new", line, fix)
+    if built[0] == driver[0] and built[1] > driver[1]:
+        return CudaFit("minor", f"{line}: it runs through CUDA's minor-version "
+                                f"compatibility, without the features of CUDA {torch_cuda}",
+                       fix)
+    return CudaFit("fits", line)
+
+
 def gpu_count() -> int:
     """The NVIDIA GPUs this process may use, without torch: CUDA_VISIBLE_DEVICES's entries
     where it is set, else NVML's count (0 without NVML or a driver)."""

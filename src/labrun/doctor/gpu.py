@@ -1,4 +1,5 @@
-"""The GPU checks: CUDA, a real matmul and round trip on each GPU, bf16, NCCL."""
+"""The GPU checks: CUDA (and whether torch's CUDA build runs on the node's driver), a real
+matmul and round trip on each GPU, bf16, NCCL."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import warnings
 from datetime import timedelta
 
 from labrun.core.errors import one_line
-from labrun.core.probes import gpu_driver_version
+from labrun.core.probes import gpu_driver_version, torch_cuda_fit
 from labrun.doctor.report import FAILED, NO_GPU_FIX, OK, WARNING, Check
 
 
@@ -27,6 +28,11 @@ def check_cuda() -> Check:
     if torch.version.cuda is None:
         return Check("cuda", WARNING, f"torch {torch.__version__} is a CPU-only build",
                      "install the CUDA build of torch on GPU machines")
+    fit = torch_cuda_fit(torch.__version__, torch.version.cuda)
+    if fit is not None and fit.verdict == "too new":  # why torch would see no GPU
+        return Check("cuda", FAILED, f"{fit.line}: torch cannot use the GPUs", fit.fix)
+    if fit is not None and fit.verdict == "minor":
+        return Check("cuda", WARNING, fit.line, fit.fix)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         available = torch.cuda.is_available()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import multiprocessing
 import os
 import signal
@@ -24,8 +25,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from labrun.core import environment
+from labrun.core import environment, probes
 from labrun.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +48,8 @@ class Distributed:
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator in ("auto", "cuda"):
+        check_driver_fit()
     if accelerator == "auto":
         if torch.cuda.is_available():
             accelerator = "cuda"
@@ -61,6 +66,17 @@ def pick_device(accelerator: str, local_rank: int) -> torch.device:
     if accelerator == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("trainer.accelerator=mps but MPS is not available; use auto or cpu")
     return torch.device(accelerator)
+
+
+def check_driver_fit() -> None:
+    """Refuse, before any data is loaded, a torch whose CUDA build this node's driver cannot
+    run: torch would see no GPU, and trainer.accelerator=auto would train on the CPU for hours
+    (or fail later with "libcudart.so: cannot open shared object file")."""
+    fit = probes.torch_cuda_fit(torch.__version__, torch.version.cuda)
+    if fit is not None and fit.verdict == "too new":
+        raise ConfigError(f"{fit.line}: torch cannot use this node's GPUs; {fit.fix}")
+    if fit is not None and fit.verdict == "minor":
+        log.warning(fit.line)
 
 
 def setup(trainer: DictConfig, settings: DictConfig) -> Distributed:
