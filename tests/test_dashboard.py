@@ -20,6 +20,7 @@ from conftest import run_labrun
 from labrun.bench.dashboard import make_runs, make_study
 from labrun.core.errors import LabrunError
 from labrun.runs import compare, compare_output, dashboard
+from labrun.runs.sweepdir import SweepDir, open_storage
 
 SPREAD_OVER_WORKERS = True  # no test here shares a fixture with another
 
@@ -149,3 +150,21 @@ def test_the_dashboard_benchmark_measures_every_figure_on_a_few_runs(capsys):
     assert "20 runs: compare" in out and "(0 written, 20 unchanged)" in out
     for figure in ("compare_s", "first_write_s", "second_start_s"):
         assert f"dashboard {figure}" in out
+
+
+def test_a_database_study_is_copied_once_for_the_dashboard(tmp_path):
+    """A study kept in a database (sqlite:///, postgresql://) cannot be followed line by line:
+    the dashboard gets one copy of it, taken at start, as a journal beside the runs."""
+    import optuna
+
+    folder = tmp_path / "sweep"
+    make_runs(folder, 2)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="train", storage=url)
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=3)
+    SweepDir(folder).write_jobs("local", [], study={"name": "train", "storage": url})
+    plan = dashboard.prepare(folder, port=0)
+    assert plan.tool == "optuna-dashboard" and "taken now" in plan.what
+    copied = optuna.load_study(study_name="train", storage=open_storage(str(plan.copy.copy)))
+    assert [t.params for t in copied.trials] == [t.params for t in study.trials]
+    assert plan.argv[-1] == str(plan.copy.copy)  # the copy is what the tool opens

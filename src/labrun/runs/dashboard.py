@@ -37,6 +37,7 @@ JOURNAL_COPY = "optuna.journal"
 DEFAULT_PORT = {"optuna-dashboard": 8080, "tensorboard": 6006}  # each tool's own default
 EXTRA = "pip install -e '.[dashboard]'"  # labrun[dashboard]: optuna-dashboard, tensorboard
 READY_TIMEOUT_S = 120.0
+REFRESH_S = 2.0  # how often the study's copy catches up with its journal
 
 
 @dataclass
@@ -79,10 +80,10 @@ def prepare(path: Path, *, port: int | None = None, bind: str = "127.0.0.1",
     folder.mkdir(exist_ok=True)
     if record:
         copy = JournalCopy.of_study(record["name"], record["storage"], folder / JOURNAL_COPY)
+        kept = f"refreshed every {REFRESH_S:g} s" if copy.source else "taken now"
         return Plan(tool, [_script("optuna-dashboard"), "--host", bind, "--port", str(port),
                            str(copy.copy)], folder, "/dashboard/",
-                    f"study {record['name']}: a copy of {record['storage']}"
-                    f"{', refreshed every 2 s' if copy.source else ' taken now'}", copy,
+                    f"study {record['name']}: a copy of {record['storage']}, {kept}", copy,
                     bind, port)
     run_paths = compare.find_runs([path])
     written = hparams.up_to_date(path, run_paths, metric)
@@ -96,7 +97,7 @@ def prepare(path: Path, *, port: int | None = None, bind: str = "127.0.0.1",
                 f"unchanged) in {written.folder}", None, bind, port)
 
 
-def serve(plan: Plan, *, refresh_s: float = 2.0) -> int:
+def serve(plan: Plan) -> int:
     """Start the tool, print where to reach it, and wait; Ctrl-C (or SIGTERM) stops it."""
     with open(plan.log, "ab") as log_file:
         # Its own session: Ctrl-C reaches labrun, which stops it (and only it) in order.
@@ -107,7 +108,7 @@ def serve(plan: Plan, *, refresh_s: float = 2.0) -> int:
     try:
         _wait_until_ready(plan, child)
         if plan.copy is not None and plan.copy.source is not None:
-            threading.Thread(target=plan.copy.follow, args=(stop, refresh_s), daemon=True,
+            threading.Thread(target=plan.copy.follow, args=(stop, REFRESH_S), daemon=True,
                              name="journal-copy").start()
         url = f"http://{_host(plan.bind)}:{plan.port}{plan.url_path}"
         print(f"{plan.tool}: {plan.what}", flush=True)
