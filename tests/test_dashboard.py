@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 import socket
 from pathlib import Path
 
@@ -108,12 +109,16 @@ def test_hparams_are_written_once_and_again_when_a_run_changes(tmp_path):
     assert "(1 written, 9 unchanged)" in dashboard.prepare(folder, port=0).what
     assert sessions(folder)["3"]["best"] == pytest.approx(0.999)
 
+    # A run folder removed: its session goes too (TensorBoard would show it still).
+    shutil.rmtree(folder / "8")
+    assert "(0 written, 9 unchanged)" in dashboard.prepare(folder, port=0).what
+    assert "8" not in sessions(folder)
     # A run that varies one more key: a new experiment, every run written again.
     make_runs(tmp_path / "more", 1)
     overrides = folder / "10" / ".hydra" / "overrides.yaml"
     (tmp_path / "more" / "0").rename(folder / "10")
     overrides.write_text(overrides.read_text() + "- trainer.batch_size=64\n")
-    assert "(11 written, 0 unchanged)" in dashboard.prepare(folder, port=0).what
+    assert "(10 written, 0 unchanged)" in dashboard.prepare(folder, port=0).what
     assert "trainer.batch_size" in sessions(folder)["10"]
     # Never inside a run folder: only the dashboard's own folder is new.
     assert sorted(p.name for p in folder.iterdir() if not p.name.isdigit()) == [".dashboard"]

@@ -80,8 +80,15 @@ def write(root: Path, runs: list[Run], keys: list[str], metric: str) -> Written:
     record = _read_record(folder)
     if record.get("keys") != keys or record.get("metric") != metric:
         for old in folder.iterdir():  # another experiment: every session again
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+            if old.is_dir():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
         record = {"keys": keys, "metric": metric, "runs": {}}
+    names = {str(one.path.relative_to(root)) for one in runs}
+    for gone in set(record["runs"]) - names:  # a run folder removed since: its session too
+        shutil.rmtree(folder / gone, ignore_errors=True)
+        del record["runs"][gone]
     numeric = numeric_keys(runs, keys)
     _write_experiment(folder, runs, keys, numeric, metric)
     result = Written(folder, keys, metric)
