@@ -9,6 +9,7 @@ SPREAD_OVER_WORKERS = True
 
 
 def test_one_trial_that_survives(fault):
+    # Input to the table, not checks: test_fault_table.py asserts the sums it prints.
     fault("sample: first").trial(True, lost=False, note="survived, nothing lost")
     fault("sample: both tests").trial(True, lost=False, note="survived, nothing lost")
 

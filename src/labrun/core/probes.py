@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,3 +235,20 @@ def wandb_login() -> WandbLogin:
     except (netrc.NetrcParseError, OSError) as error:
         return WandbLogin(host, None, path, one_line(error))
     return WandbLogin(host, str(path) if found else None, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ports
+
+
+def check_port(host: str, port: int, fix: str) -> None:
+    """Fail in one line, before anything starts, when `host:port` is taken or invalid (`fix`:
+    the command's own flags for another one)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+            probe.bind((host, port))
+    except OSError as error:
+        raise LabrunError(f"cannot listen on {host}:{port} ({error.strerror or error}); "
+                          f"{fix}") from None

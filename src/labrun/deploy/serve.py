@@ -29,7 +29,6 @@ import ipaddress
 import json
 import logging
 import os
-import socket
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Annotated, Any
 
@@ -42,6 +41,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from labrun.core import probes
 from labrun.core.errors import LabrunError, one_line
 from labrun.deploy import batching, load, serve_metrics
 from labrun.deploy import runtime as inference
@@ -97,7 +97,7 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
         raise LabrunError(f"--max-delay-ms={max_delay_ms:g} must be 0 or more")
     if model_calls is not None and model_calls < 1:
         raise LabrunError(f"--model-calls={model_calls} must be 1 or more")
-    check_port(host, port)
+    probes.check_port(host, port, "pick another --port or --host")  # before the model loads
     max_bytes = int(max_upload_mb * 2**20)
     cores = inference.default_threads(workers)  # each worker's share
     predictor, tmp, calls = load_model(model, cores, model_calls)
@@ -207,18 +207,6 @@ def load_model(model: str | Path, cores: int, model_calls: int | None
     threads = batching.threads_per_call(cores, batching.model_calls("cpu", cores, model_calls))
     predictor, tmp = load.load(model, threads)
     return predictor, tmp, batching.model_calls(predictor.device, cores, model_calls)
-
-
-def check_port(host: str, port: int) -> None:
-    """Fail in one line before loading the model when the address is taken or invalid."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            probe.bind((host, port))
-    except OSError as error:
-        raise LabrunError(f"cannot listen on {host}:{port} ({error.strerror or error}); "
-                          f"pick another --port or --host") from None
 
 
 def is_loopback(host: str) -> bool:

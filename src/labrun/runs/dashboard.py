@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from labrun.core import probes
 from labrun.core.errors import LabrunError, one_line
 from labrun.runs import compare, hparams
 from labrun.runs.rundir import RunDir
@@ -75,7 +76,7 @@ def prepare(path: Path, *, port: int | None = None, bind: str = "127.0.0.1",
         raise LabrunError(f"labrun dashboard needs {tool} for this folder; install it with "
                           f"{EXTRA}")
     port = DEFAULT_PORT[tool] if port is None else port
-    _check_port_free(bind, port)
+    probes.check_port(bind, port, "choose another port with --port")
     folder = path / FOLDER
     folder.mkdir(exist_ok=True)
     if record:
@@ -191,16 +192,6 @@ def _script(name: str) -> str:
     """A console script of the environment labrun runs in."""
     beside = Path(sys.executable).with_name(name)
     return str(beside) if beside.exists() else shutil.which(name) or name
-
-
-def _check_port_free(bind: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((bind, port))
-        except OSError as error:
-            raise LabrunError(f"cannot listen on {bind}:{port} ({error.strerror}); choose "
-                              f"another port with --port") from None
 
 
 def _wait_until_ready(plan: Plan, child: subprocess.Popen) -> None:
