@@ -231,6 +231,28 @@ def sweep_jobs_since(start: str) -> set[str]:
 
 
 
+def freeze_as_they_start(run_dirs: list[Path], proc: subprocess.Popen, timeout: float
+                         ) -> list[int]:
+    """SIGSTOP each run's process as soon as its lock file names it (taken before data loads);
+    fails if `proc` ends first or time runs out. The process ids, in `run_dirs`' order."""
+    frozen: dict[Path, int] = {}
+    deadline = time.time() + timeout
+    try:
+        while len(frozen) < len(run_dirs):
+            for run_dir in run_dirs:
+                if run_dir not in frozen and (run_dir / ".lock").exists():
+                    frozen[run_dir] = holder_pid(run_dir)
+                    os.kill(frozen[run_dir], signal.SIGSTOP)
+            assert proc.poll() is None, f"the launcher ended with {proc.returncode}"
+            assert time.time() < deadline, f"started in time: {sorted(map(str, frozen))}"
+            time.sleep(0.02)
+    except BaseException:
+        for pid in frozen.values():
+            os.kill(pid, signal.SIGCONT)
+        raise
+    return [frozen[run_dir] for run_dir in run_dirs]
+
+
 def test_a_sweep_outlives_sighup_and_the_same_command_attaches_without_submitting(tmp_path):
     sweep_dir = tmp_path / "sweep"
     args = sweep_args(sweep_dir, "trainer.max_epochs=2", "trainer.limit_train_batches=3",
@@ -241,18 +263,12 @@ def test_a_sweep_outlives_sighup_and_the_same_command_attaches_without_submittin
     with open(first, "w") as out:
         launcher = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-    # Submission, then both jobs' start-up: under a minute loaded, 3x that (180 s).
-    for num in ("0", "1"):
-        wait_for(sweep_dir / num / "metrics.jsonl", launcher, timeout=180)
-    submitted = sweep_jobs_since(start)
-    rows = manifest(sweep_dir)["jobs"]
-    assert {row["job_id"] for row in rows} <= submitted and len(submitted) == 2
-    # Both jobs held still (SIGSTOP; SLURM still runs them) until the second launch has
-    # attached: a job that ended meanwhile would only be skipped as completed.
-    jobs = [holder_pid(sweep_dir / num) for num in ("0", "1")]
-    for pid in jobs:
-        os.kill(pid, signal.SIGSTOP)
+    # Submission, then both jobs' start-up: under a minute loaded, 3x that (180 s). Each job is
+    # held still (SIGSTOP; SLURM still runs it) the moment its lock names it, until the second
+    # launch has attached: a tiny job that ended meanwhile would only be skipped as completed.
+    jobs = freeze_as_they_start([sweep_dir / "0", sweep_dir / "1"], launcher, timeout=180)
     try:
+        rows = manifest(sweep_dir)["jobs"]
         os.killpg(launcher.pid, signal.SIGHUP)  # the terminal is gone
         assert launcher.wait(timeout=60) == -signal.SIGHUP
         status = subprocess.run([LABRUN, "status", str(sweep_dir), "--json"],
@@ -276,7 +292,9 @@ def test_a_sweep_outlives_sighup_and_the_same_command_attaches_without_submittin
     output, _ = waiter.communicate(timeout=120)
     assert waiter.returncode == 0, output
     assert output.count("completed") == 2, output
-    assert sweep_jobs_since(start) == submitted  # nothing was submitted a second time
+    # The first launch submitted these two jobs, the second nothing (accounting has them by now;
+    # it may lag the jobs' start by seconds).
+    assert sweep_jobs_since(start) == {row["job_id"] for row in rows}
     after = manifest(sweep_dir)["jobs"]
     assert [(row["job_id"], row["state"], row["attempts"]) for row in after] == [
         (row["job_id"], "completed", []) for row in rows]
