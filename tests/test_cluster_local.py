@@ -255,3 +255,16 @@ def test_usr2_checkpoints_and_requeues_a_job_which_then_completes(tmp_path):
     log = Path(row["log"]).read_text()
     assert "checkpoint saved, requeueing" in log and "resuming from" in log
     assert read_summary(tmp_path / "0")["status"] == "completed"
+
+
+def test_the_launcher_counts_gpus_without_importing_torch():
+    # Seconds of every local sweep's start (import torch) for a count NVML gives at once; the
+    # launcher process never trains.
+    check = ("import sys; from labrun.launch.local import visible_gpus; "
+             "gpus = visible_gpus(); assert 'torch' not in sys.modules, 'torch imported'; "
+             "print(len(gpus))")
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    result = subprocess.run([PYTHON, "-c", check], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0"  # no GPU here, as torch.cuda.device_count() says

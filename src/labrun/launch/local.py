@@ -33,6 +33,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobStatus, run_job
 from omegaconf import DictConfig, open_dict
 
+from labrun.core import probes
 from labrun.core.errors import ConfigError
 from labrun.core.scheduler import LocalScheduler
 from labrun.launch import sweep
@@ -55,12 +56,11 @@ EXIT_USER_ERROR = 2
 
 
 def visible_gpus() -> list[int]:
-    """The GPU ids this process may hand out."""
+    """The GPU ids this process may hand out (NVML's count, not torch's: the launcher never
+    imports torch, seconds of every sweep's start)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
         return [int(i) for i in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if i.strip()]
-    import torch
-
-    return list(range(torch.cuda.device_count()))
+    return list(range(probes.gpu_count()))
 
 
 class LocalLauncher(sweep.SweepLauncher):
