@@ -101,3 +101,20 @@ held.release()
     assert run_lock.live_holder(run_dir.lock_path) is None
     jobs, _ = status.sweep_jobs(tmp_path)
     assert jobs[0].state != "running"
+
+
+def test_the_table_prints_overrides_and_paths_as_written_not_as_markup(tmp_path):
+    from rich.console import Console
+
+    from labrun.runs.sweepdir import print_table
+
+    # A list override reads to rich as a closing tag: [/opt/lab] raised MarkupError after the
+    # sweep had run.
+    jobs = [Job(num, [f"cluster.container.mounts=[/opt/lab{num}]"], str(tmp_path / str(num)),
+                state="failed", error="error: [/x] is not [bold]here", log=f"/logs/[{num}]")
+            for num in range(2)]
+    console = Console(width=300, record=True)
+    print_table(jobs, "sweep", console=console)
+    text = console.export_text()
+    assert "mounts=[/opt/lab0]" in text and "mounts=[/opt/lab1]" in text
+    assert "/logs/[0]" in text and "error: [/x] is not [bold]here" in text

@@ -7,7 +7,9 @@ A schema field declared with `key(...)` (config/fields.py) states:
   affects_result  changing it changes what a run computes (optimizer.lr does; trainer.progress,
                   checkpoint.keep_last do not); the config review of pull requests reads it
 A plain field has the defaults: no path, not resume-safe, affects the result. A fact on a
-section (the `logger` field, say) holds for every key below it.
+section (the `logger` field, say) holds for every key below it, except that a key stating
+`affects_result` itself overrides its sections (`cluster` changes no result; its
+`container.image` does).
 
 Every list of keys that used to be written out by hand (path keys, resume-safe keys) is derived
 here, so a new field states its facts once, where it is declared.
@@ -34,9 +36,11 @@ def facts_of(dotted: str) -> Facts:
     parts = dotted.split(".")
     own = table.get(dotted, PLAIN)
     sections = [table.get(".".join(parts[:end]), PLAIN) for end in range(1, len(parts))]
+    # affects_result: what the key states, else the nearest section that states it, else yes.
+    stated = [f.affects_result for f in (own, *reversed(sections)) if f.affects_result is not None]
     return Facts(path=own.path, must_exist=own.must_exist,
                  resume_safe=own.resume_safe or any(s.resume_safe for s in sections),
-                 affects_result=own.affects_result and all(s.affects_result for s in sections))
+                 affects_result=stated[0] if stated else True)
 
 
 def path_keys() -> tuple[str, ...]:

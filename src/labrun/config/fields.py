@@ -18,14 +18,17 @@ class Facts:
     path: bool = False
     must_exist: bool = False
     resume_safe: bool = False
-    affects_result: bool = True
+    # None: not stated, the sections' fact holds (config/facts.py facts_of); True under a section
+    # that changes no result: this key does (the container image of `cluster`).
+    affects_result: bool | None = None
 
 
 PLAIN = Facts()
 
 
 def key(default: Any = MISSING, *, factory: Any = NO_DEFAULT, path: bool = False,
-        must_exist: bool = False, resume_safe: bool = False, affects_result: bool = True) -> Any:
+        must_exist: bool = False, resume_safe: bool = False, affects_result: bool | None = None
+        ) -> Any:
     """A dataclass field with its facts as metadata (`factory`: a default_factory)."""
     facts = Facts(path=path or must_exist, must_exist=must_exist, resume_safe=resume_safe,
                   affects_result=affects_result)

@@ -295,6 +295,20 @@ class StudyControllerConfig:
 
 
 @dataclass
+class ContainerConfig:
+    """cluster.container: each task of a SLURM job runs its Python inside the lab's image
+    (launch/container.py), with the code, the sweep folder and the data at the same paths."""
+
+    runtime: str | None = None  # apptainer | pyxis | podman; null: the submitting venv's Python
+    image: str | None = key(None, affects_result=True)  # a .sif, a squashfs/registry name, a tag
+    mounts: list[str] = key(factory=list, path=True)  # more host folders, at the same paths
+    gpus: bool = True  # --nv (Apptainer), enroot's hooks (Pyxis), the job's GRES (Podman)
+    python: str = "python3"  # the image's interpreter
+    # Podman: the device each of the task's GRES GPU indexes names; NVIDIA's CDI by default.
+    gpu_device: str = "nvidia.com/gpu={index}"
+
+
+@dataclass
 class SlurmClusterConfig(ClusterConfig):
     partition: str | None = None
     qos: str | None = None  # the lab's "urgent" label
@@ -312,6 +326,7 @@ class SlurmClusterConfig(ClusterConfig):
     detach: bool = False  # return after submission; `labrun status SWEEP_DIR` shows progress
     snapshot: bool = True  # jobs run the code as it was at submission
     controller: StudyControllerConfig = field(default_factory=StudyControllerConfig)
+    container: ContainerConfig = field(default_factory=ContainerConfig)
 
 
 @dataclass

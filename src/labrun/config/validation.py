@@ -32,6 +32,7 @@ CHOICES = {
     "logger.mode": ("auto", "online", "offline", "disabled"),
     "distributed.backend": ("auto", "nccl", "gloo"),
     "dataset.decode": ("workers", "cpu", "cuda"),
+    "cluster.container.runtime": ("apptainer", "pyxis", "podman"),
 }
 POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
             "dataset.image_size", "optimizer.lr", "trainer.log_every_n_steps",
@@ -70,6 +71,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"dataset.decode=cuda puts batches on the GPU, but "
                           f"trainer.accelerator={cfg.trainer.accelerator}; use "
                           f"dataset.decode=cpu or workers")
+    _check_container(cfg)
     fraction = cfg.dataset.val_fraction
     if not 0 <= fraction < 1:
         raise ConfigError(f"dataset.val_fraction={fraction} must be in [0, 1)")
@@ -97,6 +99,19 @@ def validate(cfg: DictConfig) -> None:
             f"checkpoint.resume={resume}: no such file; give a checkpoint path, auto or never")
     check_checkpoint_monitor(cfg)
     _validate_monitor(cfg)
+
+
+def _check_container(cfg: DictConfig) -> None:
+    container = OmegaConf.select(cfg, "cluster.container", default=None)
+    if container is None or container.runtime is None:
+        return
+    if not container.image:
+        raise ConfigError(f"cluster.container.runtime={container.runtime} needs the image to "
+                          f"run: set cluster.container.image")
+    if container.runtime == "podman" and container.gpus and "{index}" not in container.gpu_device:
+        raise ConfigError(f"cluster.container.gpu_device={container.gpu_device} names no GPU: "
+                          f"it needs {{index}}, the place of a GRES GPU's index "
+                          f"(nvidia.com/gpu={{index}}, /dev/nvidia{{index}})")
 
 
 def check_checkpoint_monitor(cfg: DictConfig) -> None:

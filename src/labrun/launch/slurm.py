@@ -38,7 +38,7 @@ from labrun.core.errors import LabrunError, one_line
 from labrun.core.files import atomic_path
 from labrun.core.project import PROJECT_DIR
 from labrun.core.scheduler import LIVE_STATES, SlurmScheduler
-from labrun.launch import SLURM_COMMENT_PREFIX, sweep
+from labrun.launch import SLURM_COMMENT_PREFIX, container, sweep
 from labrun.launch.slurm_limits import (
     check_resources,
     check_submission,
@@ -82,6 +82,7 @@ class SlurmLauncher(sweep.SweepLauncher):
         self._stamp: str | None = None  # this launcher's submissions: .submitit/STAMP, .code/STAMP
         self._snapshot: Path | None = None
         self._unknown_since: dict[int, float] = {}  # job num -> when SLURM first did not know it
+        self._submitted_from = os.getcwd()  # relative paths of the config are relative to it
 
     def begin(self, jobs: list[Job]) -> None:
         """Submit the jobs as job arrays: one per distinct resource request (a trial of a
@@ -94,11 +95,13 @@ class SlurmLauncher(sweep.SweepLauncher):
         if self._stamp is None:
             self._stamp = time.strftime("%Y%m%d-%H%M%S")
             self._snapshot = sweep_dir / ".code" / self._stamp if cluster.snapshot else None
-        # One array per distinct resource request: a sweep over trainer.devices, say, asks
-        # for different tasks and GPUs per node.
+            self._submitted_from = os.getcwd()
+        # One array per distinct resource request (a sweep over trainer.devices, say, asks
+        # for different tasks and GPUs per node) and container (its mounts follow the paths).
         groups: dict[str, list[Job]] = {}
         for job in jobs:
-            params = executor_parameters(job.config.cluster, self.config, self._snapshot)
+            params = {**executor_parameters(job.config.cluster, self.config, self._snapshot),
+                      **self.container_parameters(job)}
             groups.setdefault(repr(sorted(params.items())), []).append(job)
         limits = cluster_limits()
         for group in groups.values():
@@ -140,6 +143,10 @@ class SlurmLauncher(sweep.SweepLauncher):
         import submitit
 
         params = executor_parameters(jobs[0].config.cluster, self.config, self._snapshot)
+        image = self.container_parameters(jobs[0])
+        if image:
+            params["slurm_srun_args"] = image["srun_args"]
+            params["slurm_setup"] = [*params.get("slurm_setup", []), *image["setup"]]
         if throttle is not None:
             params["slurm_array_parallelism"] = throttle
         if after is not None:
@@ -149,7 +156,8 @@ class SlurmLauncher(sweep.SweepLauncher):
             params["slurm_additional_parameters"] = extra
         folder = self.sweep_dir / ".submitit" / self._stamp
         executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm",
-                                         slurm_max_num_timeout=jobs[0].config.cluster.max_num_timeout)
+                                         slurm_max_num_timeout=jobs[0].config.cluster.max_num_timeout,
+                                         slurm_python=image.get("python"))
         executor.update_parameters(**params)
         task.shared = self.shared_file(folder)
         handles = executor.map_array(task, [pickle.dumps(job.config) for job in jobs])
@@ -165,6 +173,22 @@ class SlurmLauncher(sweep.SweepLauncher):
                  handles[0].job_id.split("_")[0],
                  f", after array {after} has ended" if after else "")
         return handles[0].job_id.split("_")[0]
+
+    def container_parameters(self, job: Job) -> dict[str, Any]:
+        """What runs the job's tasks in cluster.container's image (launch/container.py):
+        submitit's python, srun's arguments and the batch script's exports; {} without one."""
+        image = job.config.cluster.get("container")
+        if image is None or image.runtime is None:
+            return {}
+        code_dir = self._snapshot or PROJECT_DIR
+        binds = container.mounts(job.config.cluster, job.config, code_dir, self.sweep_dir,
+                                 self._submitted_from)
+        # sbatch runs in the folder it was called from: the snapshot's, else the submitter's.
+        workdir = str(self._snapshot or self._submitted_from)
+        return {"python": container.python_command(image, binds,
+                                                   self.sweep_dir / ".submitit" / self._stamp),
+                "srun_args": container.srun_args(image, binds, workdir),
+                "setup": container.setup_lines(image)}
 
     def shared_file(self, folder: Path) -> Path:
         """The launcher and Hydra's singleton state, pickled once into `folder` for every task

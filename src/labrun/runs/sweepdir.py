@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.core.utils import filter_overrides
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from labrun.core.errors import LabrunError
 from labrun.core.files import write_json_atomic
@@ -260,9 +261,11 @@ def print_table(jobs: list[Job], title: str, console: Console | None = None,
         detail = job.error if job.error and job.state not in FINISHED else ""
         where = job.log or job.dir
         figures = [] if efficiency is None else _efficiency_cells(efficiency[job.num])
-        table.add_row(str(job.num), labels[job.num], f"[{STYLE.get(job.state, '')}]{state}",
+        # Overrides, paths and errors as text, not rich markup: mounts=[/opt/lab] is no tag.
+        table.add_row(str(job.num), Text(labels[job.num]),
+                      f"[{STYLE.get(job.state, '')}]{state}",
                       "" if job.metric is None else f"{job.metric:.4f}", *figures,
-                      job.job_id or "", f"{where}\n{detail}" if detail else where)
+                      job.job_id or "", Text(f"{where}\n{detail}" if detail else str(where)))
     console.print(table)
     failed = [j for j in jobs if j.state not in FINISHED]
     if failed and sweep:

@@ -1,0 +1,141 @@
+"""cluster.container: every task of a SLURM job runs its Python inside the lab's image.
+
+submitit starts each task as `srun [SRUN_ARGS] PYTHON -u -m submitit.core._submit FOLDER`.
+labrun sets PYTHON (submitit's `python`) or SRUN_ARGS, per runtime:
+- apptainer: PYTHON is a script that runs `apptainer exec [--nv] --bind P,... IMAGE python3`.
+  Apptainer shares the host's PID namespace, network and environment by default.
+- podman: PYTHON is a script that runs `podman run --pid=host --network=host --env-host -v P:P
+  ... IMAGE python3`, with a `--device` for exactly each of the task's GRES GPUs.
+- pyxis: SRUN_ARGS `--container-image=IMAGE --container-mounts=P:P,... --container-workdir=DIR`
+  (srun's own plug-in; PYTHON is the image's interpreter).
+The host folders a job reads and writes are mounted at the same paths (`mounts`): the code it
+runs, the sweep folder (its run folders, the Optuna journal), the data and every other path key,
+and cluster.container.mounts. cluster.env is exported before srun, so it holds inside too.
+
+Why a script rather than the runtime's command itself: a task's own GPUs (SLURM_STEP_GPUS) are
+known only in the task, and a runtime or image missing on the node is said in one line (which
+the sweep's table shows, launch/slurm.failure_reason) before the runtime fails in its own words.
+The script `exec`s the runtime, so SLURM's USR2 and SIGTERM reach it, and podman (--sig-proxy,
+its default) and apptainer pass them on to the training process. With the host's PID namespace,
+the process ids a run-folder lock records are the host's, so its liveness checks hold
+(runs/lock.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from labrun.config import facts
+from labrun.core.files import atomic_path
+
+RUNTIMES = ("apptainer", "pyxis", "podman")
+
+
+def mounts(cluster: DictConfig, job_config: DictConfig, code_dir: Path, sweep_dir: Path,
+           submitted_from: str) -> list[str]:
+    """The host folders the job's tasks need, each once, sorted: the code, the sweep folder
+    (its run folders, the Optuna journal), the folders of the config's path keys that exist
+    (relative ones taken from `submitted_from`; one that does not, a scratch folder say, is
+    the container's own) and cluster.container.mounts."""
+    found = {str(code_dir), str(sweep_dir)}
+    for key in facts.path_keys():
+        value = OmegaConf.select(job_config, key, default=None, throw_on_missing=False)
+        if key.startswith("cluster.") or not isinstance(value, str) or not value:
+            continue
+        path = Path(os.path.normpath(os.path.join(submitted_from, value)))
+        if path.is_dir() or path.is_file():  # not checkpoint.resume=auto
+            found.add(str(path if path.is_dir() else path.parent))
+    found.update(os.path.normpath(os.path.join(submitted_from, m))
+                 for m in cluster.container.mounts)
+    # A folder inside another mounted one is mounted with it.
+    ordered = sorted(found)
+    return [m for m in ordered if not any(m.startswith(other.rstrip("/") + "/")
+                                          for other in ordered if other != m)]
+
+
+def srun_args(container: DictConfig, binds: list[str], workdir: str) -> list[str]:
+    """Pyxis's options for srun (pyxis README: --container-image, --container-mounts,
+    --container-workdir, --container-env); nothing for the other runtimes."""
+    if container.runtime != "pyxis":
+        return []
+    args = [f"--container-image={container.image}",
+            f"--container-mounts={','.join(f'{m}:{m}' for m in binds)}",
+            f"--container-workdir={workdir}"]
+    if not container.gpus:
+        # enroot's NVIDIA hook does nothing for NVIDIA_VISIBLE_DEVICES=void (setup exports it).
+        args.append("--container-env=NVIDIA_VISIBLE_DEVICES")
+    return args
+
+
+def setup_lines(container: DictConfig) -> list[str]:
+    """What the job's batch script exports before srun."""
+    if container.runtime == "pyxis" and not container.gpus:
+        return ["export NVIDIA_VISIBLE_DEVICES=void"]
+    return []
+
+
+def python_command(container: DictConfig, binds: list[str], folder: Path) -> str:
+    """submitit's `python` for the job: the image's interpreter for Pyxis, else the script
+    (written into `folder` once, named by its content) that runs it in the image."""
+    if container.runtime == "pyxis":
+        return shlex.quote(container.python)
+    script = task_script(container, binds)
+    path = folder / f"container-{hashlib.sha256(script.encode()).hexdigest()[:12]}.sh"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            Path(tmp).write_text(script)
+    return f"/bin/bash {shlex.quote(str(path))}"
+
+
+def task_script(container: DictConfig, binds: list[str]) -> str:
+    """The bash script one task runs: checks the runtime and the image on this node (one line
+    and exit 127 or 125, as the runtimes themselves exit), then execs the runtime."""
+    runtime, image = container.runtime, str(container.image)
+    q = shlex.quote
+    lines = ["#!/bin/bash",
+             f"# Written by labrun (launch/container.py): this task's Python in {image}, "
+             f"through {runtime}.",
+             "set -euo pipefail",
+             f"if ! command -v {runtime} >/dev/null; then",
+             f"  echo \"error: cluster.container.runtime={runtime}: {runtime} is not installed "
+             f"on $(hostname); install it there, or run without cluster.container.runtime\" >&2",
+             "  exit 127",
+             "fi"]
+    if runtime == "podman":
+        lines += [f"if ! podman image exists {q(image)}; then",
+                  f"  echo \"error: cluster.container.image={image}: podman on $(hostname) has "
+                  f"no such image; build or pull it there (podman images lists them)\" >&2",
+                  "  exit 125",
+                  "fi"]
+        run = ["exec podman run --rm --pull=never --env-host --network=host --pid=host "
+               "--ipc=host --workdir \"$PWD\"",
+               *(f"-v {q(m)}:{q(m)}" for m in binds)]
+        if container.gpus:
+            prefix, _, suffix = str(container.gpu_device).partition("{index}")
+            # The task's GPUs, as SLURM gave them (GRES indexes), each its device; inside, CUDA
+            # numbers the devices it sees from 0.
+            lines += ["devices=()",
+                      "IFS=, read -ra gpus <<< \"${SLURM_STEP_GPUS:-${SLURM_JOB_GPUS:-}}\"",
+                      "for index in \"${gpus[@]}\"; do",
+                      f"  devices+=(--device {q(prefix)}\"$index\"{q(suffix) if suffix else ''})",
+                      "done",
+                      "visible=$(seq -s, 0 $(( ${#gpus[@]} - 1 )))"]
+            run += ["\"${devices[@]}\"", "-e CUDA_VISIBLE_DEVICES=\"$visible\""]
+        lines.append(" \\\n  ".join([*run, q(image), q(container.python), "\"$@\""]))
+    else:  # apptainer
+        if "://" not in image:
+            lines += [f"if [ ! -e {q(image)} ]; then",
+                      f"  echo \"error: cluster.container.image={image}: no such image on "
+                      f"$(hostname); build it there (apptainer build) or give its path\" >&2",
+                      "  exit 125",
+                      "fi"]
+        run = ["exec apptainer exec", *(["--nv"] if container.gpus else []),
+               f"--bind {q(','.join(binds))}", "--pwd \"$PWD\""]
+        lines.append(" \\\n  ".join([*run, q(image), q(container.python), "\"$@\""]))
+    return "\n".join(lines) + "\n"
