@@ -23,6 +23,11 @@ PYTHON=${PYTHON:-python3}
 command -v prometheus >/dev/null || missing+=(prometheus)
 # The headless browser that tests/test_optuna.py renders optuna-dashboard's page in.
 command -v chromium >/dev/null || missing+=(chromium)
+# cluster.container=podman on the test cluster (tests/test_cluster_container.py): podman, the
+# runc it runs with here (scripts/podman/containers.conf), and debootstrap for the test image.
+command -v podman >/dev/null || missing+=(podman)
+command -v runc >/dev/null || missing+=(runc)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing ${missing[*]} (apt)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

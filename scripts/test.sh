@@ -13,7 +13,9 @@ if [ "${LABRUN_NO_SLURM:-0}" != 1 ]; then
              "(scripts/slurm_up.sh); run as root, or LABRUN_NO_SLURM=1 make test to skip them" >&2
         exit 2
     fi
-    # Its error, if any, is the last thing printed; set -e ends the run with its exit code.
+    # Their errors, if any, are the last thing printed; set -e ends the run with the exit code.
+    # The image the container tests run their jobs in (built once, then cached by name):
+    bash scripts/container_image.sh >/dev/null
     bash scripts/slurm_up.sh
     cluster_started=1
 fi

@@ -1,0 +1,91 @@
+"""cluster.container.runtime=podman on the test cluster, for real: Debian 12's podman 4.3.1 with
+runc (scripts/podman/containers.conf), in the image scripts/container_image.sh builds with
+debootstrap (`make test` builds it before the cluster comes up). The image holds no Python: the
+project's Python and venv are mounted read-only, as cluster.container.mounts, and the job's
+code (the snapshot), sweep folder and data are mounted by labrun itself. What is tested is
+labrun's wrapping, not a CUDA stack: the GPUs are the cluster's placeholder GRES devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, PROJECT, PYTHON, manifest, read_summary, slurm_configured
+
+pytestmark = pytest.mark.slurm
+
+IMAGE = "localhost/labrun-test:bookworm"
+STATE = Path(os.environ.get("LABRUN_SLURM_STATE", "/tmp/labrun-slurm"))
+CONTAINERS_CONF = PROJECT / "scripts" / "podman" / "containers.conf"
+TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def podman_image():
+    # Never a skip: `make test` as root builds the image and starts the cluster.
+    if not slurm_configured():
+        pytest.fail("no SLURM cluster: `make test` as root starts one (scripts/slurm_up.sh)")
+    found = subprocess.run(["podman", "image", "exists", IMAGE], capture_output=True,
+                           env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)},
+                           timeout=60)
+    if found.returncode != 0:
+        pytest.fail(f"no podman image {IMAGE}: scripts/container_image.sh builds it "
+                    f"(`make test` runs it)")
+
+
+def container_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """A cluster=lab sweep whose jobs run in the test image, the project's Python mounted."""
+    args = [PYTHON, "train.py", "-m", "cluster=lab", "+cluster.env.OMP_NUM_THREADS=1",
+            f"+cluster.env.CONTAINERS_CONF={CONTAINERS_CONF}", *FAST, *TINY,
+            "cluster.container.runtime=podman", f"cluster.container.image={IMAGE}",
+            f"cluster.container.gpu_device=\"{STATE}/dev/nvidia{{index}}\"",
+            *overrides, f"hydra.sweep.dir={sweep_dir}"]
+    # Two tiny jobs' start-up and a few steps: a minute loaded; 600 s only stops a hang.
+    return subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+
+
+def test_a_two_task_job_trains_in_podman_each_task_seeing_only_the_jobs_gres_gpus(tmp_path):
+    # The container's python is a script that writes down what the task sees, inside, then
+    # runs the project's Python: run outside the container, it would see all four devices.
+    probe = tmp_path / "probe" / "python.sh"
+    probe.parent.mkdir()
+    seen = probe.parent / "seen.txt"
+    probe.write_text("#!/bin/sh\n"
+                     f"echo \"$SLURM_PROCID ${{SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}} "
+                     f"$CUDA_VISIBLE_DEVICES $(ls {STATE}/dev | tr '\\n' ' ')\" >> {seen}\n"
+                     f"exec {PYTHON} \"$@\"\n")
+    probe.chmod(0o755)
+    mounts = ",".join([sys.base_prefix, str(Path(PYTHON).parent.parent), str(probe.parent)])
+    result = container_sweep(tmp_path / "sweep", "trainer.devices=2",
+                             f"cluster.container.python={probe}",
+                             f"cluster.container.mounts=[{mounts}]")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [row] = manifest(tmp_path / "sweep")["jobs"]
+    assert row["state"] == "completed"
+    assert read_summary(tmp_path / "sweep" / "0")["status"] == "completed"
+    tasks = sorted(line.split(" ", 3) for line in seen.read_text().splitlines())
+    assert [rank for rank, *_ in tasks] == ["0", "1"]
+    for _, gres, visible, devices in tasks:
+        indexes = gres.split(",")
+        assert len(indexes) == 2  # two of the node's four GPUs: the job's GRES
+        assert devices.split() == [f"nvidia{i}" for i in indexes]
+        assert visible == "0,1"  # CUDA numbers the devices it sees from 0
+
+
+def test_a_missing_image_fails_the_job_in_one_line_the_table_shows(tmp_path):
+    result = container_sweep(tmp_path, "cluster.container.image=localhost/no-such:image",
+                             f"cluster.container.mounts=[{sys.base_prefix}]")
+    assert result.returncode != 0
+    line = "error: cluster.container.image=localhost/no-such:image: podman on node"
+    [row] = manifest(tmp_path)["jobs"]
+    assert row["state"] == "failed" and line in row["error"], json.dumps(row)
+    assert "has no such image; build or pull it there" in row["error"]
+    # The sweep's last line (the table shows the same error, folded into its column).
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: job 0 failed: SLURM state FAILED: " + line), last
