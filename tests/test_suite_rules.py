@@ -55,13 +55,15 @@ def test_a_files_tests_stay_on_one_xdist_worker():
     assert len(workers) == 1 and "@tests/test_architecture.py" in result.stdout, result.stdout
 
 
-def fake_project(tmp_path: Path, slurm_up: str) -> Path:
-    """A copy of scripts/test.sh beside a stand-in slurm_up.sh, slurm_down.sh and a .venv
-    python that records that pytest was started, so the script's own logic runs for real
-    without touching the machine's cluster."""
+def fake_project(tmp_path: Path, slurm_up: str,
+                 container_image: str = "echo localhost/labrun-test:bookworm\n") -> Path:
+    """A copy of scripts/test.sh beside a stand-in slurm_up.sh, container_image.sh,
+    slurm_down.sh and a .venv python that records that pytest was started, so the script's own
+    logic runs for real without touching the machine's cluster or podman's images."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(PROJECT / "scripts" / "test.sh", tmp_path / "scripts" / "test.sh")
     (tmp_path / "scripts" / "slurm_up.sh").write_text(slurm_up)
+    (tmp_path / "scripts" / "container_image.sh").write_text(container_image)
     (tmp_path / "scripts" / "slurm_down.sh").write_text("exit 0\n")
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     python = tmp_path / ".venv" / "bin" / "python"
@@ -71,16 +73,19 @@ def fake_project(tmp_path: Path, slurm_up: str) -> Path:
     return tmp_path
 
 
-def test_a_failed_bring_up_fails_make_test_with_its_own_error(tmp_path):
+@pytest.mark.parametrize("failing", ["slurm_up", "container_image"])
+def test_a_failed_bring_up_fails_make_test_with_its_own_error(tmp_path, failing):
     if os.geteuid() != 0:
         pytest.skip("test.sh's root path needs root (CI runs as root)")
-    project = fake_project(tmp_path, 'echo "slurm_up: ERROR: mariadbd exited at start-up" >&2\n'
-                                     "exit 1\n")
+    error = {"slurm_up": "slurm_up: ERROR: mariadbd exited at start-up",
+             "container_image": "error: debootstrap of the test image failed; see LOG"}[failing]
+    script = f'echo "{error}" >&2\nexit 1\n'
+    project = (fake_project(tmp_path, script) if failing == "slurm_up"
+               else fake_project(tmp_path, "exit 0\n", container_image=script))
     result = subprocess.run(["bash", "scripts/test.sh"], cwd=project, capture_output=True,
                             text=True, timeout=60, env={**os.environ, "LABRUN_NO_SLURM": "0"})
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == \
-        "slurm_up: ERROR: mariadbd exited at start-up"
+    assert result.stderr.strip().splitlines()[-1] == error
     assert not (project / "pytest-ran").exists()  # the old script warned and ran pytest anyway
 
 
