@@ -69,6 +69,15 @@ def test_a_two_task_job_trains_in_podman_each_task_seeing_only_the_jobs_gres_gpu
     [row] = manifest(tmp_path / "sweep")["jobs"]
     assert row["state"] == "completed"
     assert read_summary(tmp_path / "sweep" / "0")["status"] == "completed"
+    # Provenance names the runtime (its own mark, /run/.containerenv), the image and its digest.
+    recorded = json.loads((tmp_path / "sweep" / "0" / "provenance" / "environment.json"
+                           ).read_text())
+    digest = subprocess.run(["podman", "image", "inspect", "--format", "{{.Digest}}", IMAGE],
+                            capture_output=True, text=True, timeout=60, check=True,
+                            env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)})
+    assert (recorded["container"], recorded["container_image"], recorded["container_digest"]
+            ) == ("podman", IMAGE, digest.stdout.strip())
+    assert recorded["container_digest"].startswith("sha256:")
     tasks = sorted(line.split(" ", 3) for line in seen.read_text().splitlines())
     assert [rank for rank, *_ in tasks] == ["0", "1"]
     for _, gres, visible, devices in tasks:

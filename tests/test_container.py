@@ -75,7 +75,8 @@ def test_pyxis_gets_its_image_mounts_and_workdir_as_srun_options():
                     "--container-mounts=/code:/code,/data:/data", "--container-workdir=/code"]
     off = container_config("pyxis", "lab.sqsh", gpus=False)
     assert container.srun_args(off, ["/code"], "/code")[-1] == "--container-env=NVIDIA_VISIBLE_DEVICES"
-    assert container.setup_lines(off) == ["export NVIDIA_VISIBLE_DEVICES=void"]
+    assert container.setup_lines(off) == ["export LABRUN_CONTAINER_IMAGE=lab.sqsh",
+                                          "export NVIDIA_VISIBLE_DEVICES=void"]
     assert container.python_command(off, [], Path("/unused")) == "python3"
 
 
@@ -91,15 +92,17 @@ def test_apptainer_execs_the_image_with_nv_binds_and_the_task_arguments(tmp_path
     image.write_bytes(b"SIF")
     stand_in = tmp_path / "bin"
     stand_in.mkdir()
-    (stand_in / "apptainer").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (stand_in / "apptainer").write_text('#!/bin/sh\necho "$LABRUN_CONTAINER_IMAGE"\n'
+                                        'for a in "$@"; do echo "$a"; done\n')
     (stand_in / "apptainer").chmod(0o755)
     command = container.python_command(container_config("apptainer", str(image)),
                                        ["/code", "/data"], tmp_path / "submitit")
     result = run_script(command, [stand_in], tmp_path)
     assert result.returncode == 0, result.stderr
     # apptainer exec [--nv] --bind SRC[,SRC] --pwd DIR IMAGE COMMAND ARGS (apptainer exec --help)
+    # The image for provenance, then apptainer's arguments.
     assert result.stdout.split("\n")[:-1] == [
-        "exec", "--nv", "--bind", "/code,/data", "--pwd", str(tmp_path), str(image), "python3",
+        str(image), "exec", "--nv", "--bind", "/code,/data", "--pwd", str(tmp_path), str(image), "python3",
         "-u", "-m", "submitit.core._submit", "/f"]
     # The same config writes the same script once.
     assert container.python_command(container_config("apptainer", str(image)),

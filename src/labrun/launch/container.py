@@ -73,10 +73,13 @@ def srun_args(container: DictConfig, binds: list[str], workdir: str) -> list[str
 
 
 def setup_lines(container: DictConfig) -> list[str]:
-    """What the job's batch script exports before srun."""
-    if container.runtime == "pyxis" and not container.gpus:
-        return ["export NVIDIA_VISIBLE_DEVICES=void"]
-    return []
+    """What the job's batch script exports before srun (Pyxis passes the environment)."""
+    if container.runtime != "pyxis":
+        return []
+    lines = [f"export LABRUN_CONTAINER_IMAGE={shlex.quote(str(container.image))}"]
+    if not container.gpus:
+        lines.append("export NVIDIA_VISIBLE_DEVICES=void")
+    return lines
 
 
 def python_command(container: DictConfig, binds: list[str], folder: Path) -> str:
@@ -113,8 +116,11 @@ def task_script(container: DictConfig, binds: list[str]) -> str:
                   f"no such image; build or pull it there (podman images lists them)\" >&2",
                   "  exit 125",
                   "fi"]
+        # Provenance records the image and its digest (runs/provenance.py).
+        lines.append(f"digest=$(podman image inspect --format '{{{{.Digest}}}}' {q(image)})")
         run = ["exec podman run --rm --pull=never --env-host --network=host --pid=host "
                "--ipc=host --workdir \"$PWD\"",
+               f"-e LABRUN_CONTAINER_IMAGE={q(image)} -e LABRUN_CONTAINER_DIGEST=\"$digest\"",
                *(f"-v {q(m)}:{q(m)}" for m in binds)]
         if container.gpus:
             prefix, _, suffix = str(container.gpu_device).partition("{index}")
@@ -135,6 +141,8 @@ def task_script(container: DictConfig, binds: list[str]) -> str:
                       f"$(hostname); build it there (apptainer build) or give its path\" >&2",
                       "  exit 125",
                       "fi"]
+        # Provenance records the image (runs/provenance.py); Apptainer passes the environment.
+        lines.append(f"export LABRUN_CONTAINER_IMAGE={q(image)}")
         run = ["exec apptainer exec", *(["--nv"] if container.gpus else []),
                f"--bind {q(','.join(binds))}", "--pwd \"$PWD\""]
         lines.append(" \\\n  ".join([*run, q(image), q(container.python), "\"$@\""]))

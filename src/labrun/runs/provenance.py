@@ -31,6 +31,9 @@ from labrun.core.secrets import redact
 # The files of a run's provenance/ folder (RunDir.provenance_dir).
 GIT, GIT_DIFF, PACKAGES = "git.json", "git.diff", "packages.txt"
 ENVIRONMENT, COMMAND = "environment.json", "command.json"
+# Set inside a cluster.container job by its task script (launch/container.py; not imported:
+# runs/ is below launch/).
+CONTAINER_IMAGE_ENV, CONTAINER_DIGEST_ENV = "LABRUN_CONTAINER_IMAGE", "LABRUN_CONTAINER_DIGEST"
 
 
 def _git(*args: str, cwd: Path) -> str | None:
@@ -90,6 +93,9 @@ def environment() -> dict[str, Any]:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "driver": probes.gpu_driver_version() if cuda else None,
         "container": here.container,
+        # What cluster.container ran the job in, as its task script names it (launch/container.py).
+        "container_image": os.environ.get(CONTAINER_IMAGE_ENV),
+        "container_digest": os.environ.get(CONTAINER_DIGEST_ENV),
         # Under the scheduler's own names (SLURM_JOB_ID...); the key keeps the name it had
         # when SLURM was the only scheduler, for whoever reads these files.
         "slurm": dict(here.scheduler_variables),
