@@ -7,6 +7,8 @@
 """
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from labrun.cli.hydra_app import exit_on_user_error, run_hydra_app
@@ -22,6 +24,8 @@ def main(cfg: DictConfig) -> float | None:
         # A mistake in the config is one line before torch loads (seconds of imports); the
         # job is imported only then, which also keeps `--help` and `--cfg` fast.
         validation.validate(cfg)
+        if HydraConfig.get().mode == RunMode.RUN:
+            validation.check_single_run(cfg)
         from labrun.train.job import train
 
         return train(cfg)

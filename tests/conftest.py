@@ -309,6 +309,25 @@ def digit_jpeg() -> bytes:
     return buffer.getvalue()
 
 
+# cluster.container on the test cluster, for real (tests/test_cluster_container.py and
+# test_cluster_lab.py): podman with this machine's settings, in the image
+# scripts/container_image.sh builds (`make test` builds it first), with the cluster's placeholder
+# GRES devices as the GPUs. The image holds no Python: the project's Python and venv are mounted
+# read-only, and the job's code, sweep folder and data are mounted by labrun itself.
+PODMAN_IMAGE = "localhost/labrun-test:bookworm"
+PODMAN_CONF = PROJECT / "scripts" / "podman" / "containers.conf"
+SLURM_STATE = Path(os.environ.get("LABRUN_SLURM_STATE", "/tmp/labrun-slurm"))
+
+
+def in_podman(python: str = PYTHON, mounts: tuple[str, ...] = ()) -> list[str]:
+    """The overrides that run a cluster=lab job's tasks in PODMAN_IMAGE with `python`."""
+    binds = ",".join([sys.base_prefix, str(Path(PYTHON).parent.parent), *mounts])
+    return [f"+cluster.env.CONTAINERS_CONF={PODMAN_CONF}", "cluster.container.runtime=podman",
+            f"cluster.container.image={PODMAN_IMAGE}",
+            f"cluster.container.gpu_device=\"{SLURM_STATE}/dev/nvidia{{index}}\"",
+            f"cluster.container.python={python}", f"cluster.container.mounts=[{binds}]"]
+
+
 # A deterministic run used as the reference for every resume and fault test: three short
 # epochs of 22 steps, a checkpoint every 5 steps, 2 data workers.
 DETERMINISTIC = ["trainer.max_epochs=3", "trainer.deterministic=true",

@@ -1,9 +1,9 @@
 """cluster.container.runtime=podman on the test cluster, for real: Debian 12's podman 4.3.1 with
 runc (scripts/podman/containers.conf), in the image scripts/container_image.sh builds with
-debootstrap (`make test` builds it before the cluster comes up). The image holds no Python: the
-project's Python and venv are mounted read-only, as cluster.container.mounts, and the job's
-code (the snapshot), sweep folder and data are mounted by labrun itself. What is tested is
-labrun's wrapping, not a CUDA stack: the GPUs are the cluster's placeholder GRES devices.
+debootstrap (`make test` builds it before the cluster comes up), the project's Python mounted
+(conftest.in_podman). What is tested is labrun's wrapping, not a CUDA stack: the GPUs are the
+cluster's placeholder GRES devices. Requeueing inside the container (USR2), its liveness in the
+run-folder lock and two-node DDP in containers are tests/test_cluster_lab.py's.
 """
 
 from __future__ import annotations
@@ -11,18 +11,25 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, PROJECT, PYTHON, manifest, read_summary, slurm_configured
+from conftest import (
+    FAST,
+    PODMAN_CONF,
+    PODMAN_IMAGE,
+    PROJECT,
+    PYTHON,
+    SLURM_STATE,
+    in_podman,
+    manifest,
+    read_summary,
+    slurm_configured,
+)
 
 pytestmark = pytest.mark.slurm
 
-IMAGE = "localhost/labrun-test:bookworm"
-STATE = Path(os.environ.get("LABRUN_SLURM_STATE", "/tmp/labrun-slurm"))
-CONTAINERS_CONF = PROJECT / "scripts" / "podman" / "containers.conf"
 TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
 
 
@@ -31,21 +38,19 @@ def podman_image():
     # Never a skip: `make test` as root builds the image and starts the cluster.
     if not slurm_configured():
         pytest.fail("no SLURM cluster: `make test` as root starts one (scripts/slurm_up.sh)")
-    found = subprocess.run(["podman", "image", "exists", IMAGE], capture_output=True,
-                           env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)},
+    found = subprocess.run(["podman", "image", "exists", PODMAN_IMAGE], capture_output=True,
+                           env={**os.environ, "CONTAINERS_CONF": str(PODMAN_CONF)},
                            timeout=60)
     if found.returncode != 0:
-        pytest.fail(f"no podman image {IMAGE}: scripts/container_image.sh builds it "
+        pytest.fail(f"no podman image {PODMAN_IMAGE}: scripts/container_image.sh builds it "
                     f"(`make test` runs it)")
 
 
-def container_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+def container_sweep(sweep_dir: Path, *overrides: str, python: str = PYTHON,
+                    mounts: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """A cluster=lab sweep whose jobs run in the test image, the project's Python mounted."""
-    args = [PYTHON, "train.py", "-m", "cluster=lab", "+cluster.env.OMP_NUM_THREADS=1",
-            f"+cluster.env.CONTAINERS_CONF={CONTAINERS_CONF}", *FAST, *TINY,
-            "cluster.container.runtime=podman", f"cluster.container.image={IMAGE}",
-            f"cluster.container.gpu_device=\"{STATE}/dev/nvidia{{index}}\"",
-            *overrides, f"hydra.sweep.dir={sweep_dir}"]
+    args = [PYTHON, "train.py", "-m", "cluster=lab", "+cluster.env.OMP_NUM_THREADS=1", *FAST,
+            *TINY, *in_podman(python, mounts), *overrides, f"hydra.sweep.dir={sweep_dir}"]
     # Two tiny jobs' start-up and a few steps: a minute loaded; 600 s only stops a hang.
     return subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=600)
 
@@ -58,13 +63,11 @@ def test_a_two_task_job_trains_in_podman_each_task_seeing_only_the_jobs_gres_gpu
     seen = probe.parent / "seen.txt"
     probe.write_text("#!/bin/sh\n"
                      f"echo \"$SLURM_PROCID ${{SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}} "
-                     f"$CUDA_VISIBLE_DEVICES $(ls {STATE}/dev | tr '\\n' ' ')\" >> {seen}\n"
+                     f"$CUDA_VISIBLE_DEVICES $(ls {SLURM_STATE}/dev | tr '\\n' ' ')\" >> {seen}\n"
                      f"exec {PYTHON} \"$@\"\n")
     probe.chmod(0o755)
-    mounts = ",".join([sys.base_prefix, str(Path(PYTHON).parent.parent), str(probe.parent)])
-    result = container_sweep(tmp_path / "sweep", "trainer.devices=2",
-                             f"cluster.container.python={probe}",
-                             f"cluster.container.mounts=[{mounts}]")
+    result = container_sweep(tmp_path / "sweep", "trainer.devices=2", python=str(probe),
+                             mounts=(str(probe.parent),))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [row] = manifest(tmp_path / "sweep")["jobs"]
     assert row["state"] == "completed"
@@ -72,11 +75,11 @@ def test_a_two_task_job_trains_in_podman_each_task_seeing_only_the_jobs_gres_gpu
     # Provenance names the runtime (its own mark, /run/.containerenv), the image and its digest.
     recorded = json.loads((tmp_path / "sweep" / "0" / "provenance" / "environment.json"
                            ).read_text())
-    digest = subprocess.run(["podman", "image", "inspect", "--format", "{{.Digest}}", IMAGE],
-                            capture_output=True, text=True, timeout=60, check=True,
-                            env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)})
+    digest = subprocess.run(["podman", "image", "inspect", "--format", "{{.Digest}}",
+                             PODMAN_IMAGE], capture_output=True, text=True, timeout=60,
+                            check=True, env={**os.environ, "CONTAINERS_CONF": str(PODMAN_CONF)})
     assert (recorded["container"], recorded["container_image"], recorded["container_digest"]
-            ) == ("podman", IMAGE, digest.stdout.strip())
+            ) == ("podman", PODMAN_IMAGE, digest.stdout.strip())
     assert recorded["container_digest"].startswith("sha256:")
     tasks = sorted(line.split(" ", 3) for line in seen.read_text().splitlines())
     assert [rank for rank, *_ in tasks] == ["0", "1"]
@@ -88,8 +91,7 @@ def test_a_two_task_job_trains_in_podman_each_task_seeing_only_the_jobs_gres_gpu
 
 
 def test_a_missing_image_fails_the_job_in_one_line_the_table_shows(tmp_path):
-    result = container_sweep(tmp_path, "cluster.container.image=localhost/no-such:image",
-                             f"cluster.container.mounts=[{sys.base_prefix}]")
+    result = container_sweep(tmp_path, "cluster.container.image=localhost/no-such:image")
     assert result.returncode != 0
     line = "error: cluster.container.image=localhost/no-such:image: podman on node"
     [row] = manifest(tmp_path)["jobs"]

@@ -9,13 +9,15 @@ started side by side by the module's `scenarios` fixture; each test then finishe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from conftest import (
     PYTHON,
     assert_identical,
     final_weights,
+    in_podman,
     manifest,
     max_difference,
     rank_records,
@@ -43,6 +46,7 @@ from conftest import (
     wait_for,
 )
 from labrun.launch import SLURM_COMMENT_PREFIX
+from labrun.runs import lock
 
 pytestmark = pytest.mark.slurm
 
@@ -227,6 +231,48 @@ class NodeFailure(Trigger):
 
 
 @dataclass
+class ContainerRequeue(Trigger):
+    """The preemption's deterministic run again, its task in a podman container
+    (conftest.in_podman), on whichever of node1 and node2 the node failure spares: it starts
+    once that job has. While it trains, its run-folder lock is judged as another process on
+    its node would judge it; once it has checkpointed at step 10, it gets SLURM's USR2, which
+    inside the container checkpoints and requeues it (launch/container.py's relay)."""
+    sweep_dir: Path
+    failure: NodeFailure
+    proc: subprocess.Popen | None = None
+    node: str = ""
+    holder: lock.Holder | None = None
+    holder_cmdline: str = ""
+    judged: str | None = "not judged"
+
+    @classmethod
+    def start(cls, sweep_dir: Path, failure: NodeFailure) -> ContainerRequeue:
+        scenario = cls(sweep_dir, failure)
+        scenario.start_trigger()
+        return scenario
+
+    def trigger(self) -> None:
+        failing = self.failure.sweep_dir / "0" / "provenance" / "environment.json"
+        wait_for(failing, self.failure.proc)
+        self.node = "node2" if environment(failing.parent.parent)["hostname"] == "node1" \
+            else "node1"
+        self.proc = sweep(self.sweep_dir, *DETERMINISTIC, *in_podman(),
+                          f"+cluster.extra_sbatch.nodelist={self.node}",
+                          "cluster.cpus_per_task=1")
+        run = self.sweep_dir / "0"
+        wait_for(run / "checkpoints" / "step-00000010.pt", self.proc)
+        # The PID in the lock is the host's (podman --pid=host): on the job's node, which
+        # shares this machine's PID namespace, that process is the job's Python, live.
+        self.holder = lock.read_holder(run / ".lock")
+        with contextlib.suppress(OSError):
+            self.holder_cmdline = Path(f"/proc/{self.holder.pid}/cmdline").read_text()
+        on_its_node = replace(lock.me(), host=self.node, job_id=None, restart=0)
+        self.judged = lock.stale_reason(self.holder, run / ".lock", on_its_node)
+        job_id = manifest(self.sweep_dir)["jobs"][0]["job_id"]
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+
+
+@dataclass
 class FairShare:
     """Account vision uses node3's four GPUs for 15 s (the preemption scenario's jobs wait for
     them); one job of vision and one of nlp wait (held back by --begin) while SLURM's priority
@@ -250,7 +296,9 @@ def scenarios(tmp_path_factory):
     fair = FairShare.start()
     preemption = Preemption.start(root / "preemption")
     failure = NodeFailure.start(root / "failure")
-    yield {"fair": fair, "preemption": preemption, "failure": failure}
+    in_container = ContainerRequeue.start(root / "container", failure)
+    yield {"fair": fair, "preemption": preemption, "failure": failure,
+           "container": in_container}
     jobs = [fair.usage_job, fair.vision, fair.nlp, preemption.placeholder]
     subprocess.run(["scancel", *jobs, *([preemption.urgent] if preemption.urgent else [])],
                    check=False)
@@ -304,6 +352,32 @@ def test_a_failed_node_requeues_its_job_which_resumes_elsewhere_losing_nothing(s
     failure.restore()
 
 
+def test_usr2_inside_a_container_requeues_resumes_and_matches_its_twin(scenarios):
+    in_container: ContainerRequeue = scenarios["container"]
+    twin = scenarios["preemption"].sweep_dir / "0"  # the same deterministic run, no container
+    in_container.join()
+    output = finish(in_container.proc)
+    assert in_container.proc.returncode == 0, output
+    run = in_container.sweep_dir / "0"
+    recorded = environment(run)
+    assert (recorded["hostname"], recorded["container"]) == (in_container.node, "podman")
+    # The lock named the job's own Python by its host PID, and its node judged it live.
+    assert in_container.holder.host == in_container.node
+    assert "submitit.core._submit" in in_container.holder_cmdline
+    assert in_container.judged is None, in_container.judged
+    # The USR2 reached the training process in the container, which checkpointed at the step
+    # it stopped and was requeued (SLURM's restart count), then resumed from that checkpoint.
+    log = Path(manifest(in_container.sweep_dir)["jobs"][0]["log"]).read_text()
+    stopped = re.search(r"SIGUSR2 at step (\d+): checkpoint saved, requeueing", log)
+    resumed = re.search(r"resuming from \S+/step-(\d+)\.pt", log)
+    assert stopped and resumed, log[-3000:]
+    assert int(resumed.group(1)) == int(stopped.group(1)) > 10
+    assert read_summary(run)["requeued"] >= 1
+    finish(scenarios["preemption"].proc)
+    assert_identical(final_weights(run), final_weights(twin))
+    assert losses(run) == losses(twin)
+
+
 def test_two_2_gpu_jobs_share_a_node_with_disjoint_gpus_from_slurm(tmp_path, scenarios):
     proc = sweep(tmp_path, "trainer.devices=2", "trainer.max_epochs=1",
                  "trainer.limit_train_batches=3", "optimizer.lr=0.1,0.2",
@@ -336,9 +410,10 @@ if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("SLURM_ARRAY_TASK_ID
 
 def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenarios):
     """One rank on each of two nodes (gloo over the nodes' own addresses): the ranks run on
-    different hosts, the result matches one process with the same global batch, a requeued
-    two-node job ends bit-identical to its uninterrupted twin, and a failure on the second
-    node's rank is reported in the sweep table."""
+    different hosts, the result matches one process with the same global batch, in the venv
+    and in podman containers (whose rendezvous reads the node list SLURM gave, with no SLURM
+    command in the image), a requeued two-node job ends bit-identical to its uninterrupted
+    twin, and a failure on the second node's rank is reported in the sweep table."""
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(INJECT_RANK_1_FAILURE)
@@ -351,6 +426,7 @@ def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenar
     # Side by side: DDP_SHORT on two nodes, and the same global batch in one local process
     # (with the jobs' one thread), compared within conftest's measured tolerances.
     short = sweep(tmp_path / "short", *two_nodes, *DDP_SHORT)
+    in_image = sweep(tmp_path / "in_image", *two_nodes, *DDP_SHORT, *in_podman())
     # The requeue, mid-training (step 10 of 44), before keep_last rotates that checkpoint away.
     wait_for(sweep_dir / "1" / "checkpoints" / "step-00000010.pt", proc)
     job_id = manifest(sweep_dir)["jobs"][1]["job_id"]
@@ -368,6 +444,14 @@ def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenar
     assert [(r["rank"], r["world_size"], r["status"], r["optimizer_steps"]) for r in records] \
         == [(0, 2, "completed", 8), (1, 2, "completed", 8)]
     assert sorted(r["host"] for r in records) == ["node1", "node2"], records  # two nodes
+    image_output = finish(in_image)
+    assert in_image.returncode == 0, image_output
+    contained = tmp_path / "in_image" / "0"
+    assert environment(contained)["container"] == "podman"
+    assert sorted(r["host"] for r in rank_records(contained)) == ["node1", "node2"]
+    difference = max_difference(final_weights(contained), final_weights(one))
+    print(f"two nodes in containers vs one process: weights {difference:.2e}")
+    assert difference <= DDP_WEIGHT_TOLERANCE
 
     output = finish(proc)
 

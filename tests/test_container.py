@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import PROJECT
 from labrun.config import facts, validation
 from labrun.core.errors import ConfigError
 from labrun.launch import container
@@ -75,8 +78,10 @@ def test_pyxis_gets_its_image_mounts_and_workdir_as_srun_options():
                     "--container-mounts=/code:/code,/data:/data", "--container-workdir=/code"]
     off = container_config("pyxis", "lab.sqsh", gpus=False)
     assert container.srun_args(off, ["/code"], "/code")[-1] == "--container-env=NVIDIA_VISIBLE_DEVICES"
-    assert container.setup_lines(off) == ["export LABRUN_CONTAINER_IMAGE=lab.sqsh",
-                                          "export NVIDIA_VISIBLE_DEVICES=void"]
+    relay = Path("/sweep/.submitit/1/container-bin")
+    assert container.setup_lines(off, relay) == [f"export LABRUN_CONTAINER_BIN={relay}",
+                                                 "export LABRUN_CONTAINER_IMAGE=lab.sqsh",
+                                                 "export NVIDIA_VISIBLE_DEVICES=void"]
     assert container.python_command(off, [], Path("/unused")) == "python3"
 
 
@@ -142,3 +147,46 @@ def test_podman_gets_one_device_per_gres_gpu_of_the_task(tmp_path):
     assert result.stdout.split("\n")[:-1] == ["--device", "nvidia.com/gpu=2", "--device",
                                              "nvidia.com/gpu=3", "0,1"], result.stderr
     assert "--pid=host" in script and "--pull=never" in script and "-v /code:/code" in script
+
+
+def test_inside_the_image_scontrol_relays_a_requeue_to_the_host_and_refuses_the_rest(
+        tmp_path, monkeypatch):
+    # The relay as a task in the image runs it (the batch script's side, the real scontrol
+    # requeue after srun, runs on the test cluster: tests/test_cluster_lab.py).
+    relay = container.relay_folder(tmp_path / "submitit")
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "41"}
+    asked = subprocess.run([str(relay / "scontrol"), "requeue", "40_3"], env=env,
+                           capture_output=True, text=True, timeout=30)
+    assert asked.returncode == 0, asked.stderr
+    assert (relay / "requeue-41").read_text() == "40_3\n"  # the job submitit asked for
+    other = subprocess.run([str(relay / "scontrol"), "show", "job", "41"], env=env,
+                           capture_output=True, text=True, timeout=30)
+    assert other.returncode == 1
+    assert other.stderr.startswith("error: scontrol show job 41: SLURM's commands do not run "
+                                   "inside cluster.container's image")
+    assert other.stderr.count("\n") == 1
+    # The job's Python, which the batch script told where the relay is, finds it first.
+    monkeypatch.setenv(container.RELAY_ENV, str(relay))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    container.relay_requeues()
+    assert shutil.which("scontrol") == str(relay / "scontrol")
+    # After srun, the batch script requeues the job asked for, once.
+    assert "\n".join(container.teardown_lines()).count("scontrol requeue") == 1
+
+
+def test_a_run_without_m_refuses_the_container_it_would_not_run_in(composed, tmp_path):
+    config = composed(*LAB, "cluster.container.runtime=podman", "cluster.container.image=lab:1")
+    validation.validate(config)  # a sweep's jobs run in it
+    with pytest.raises(ConfigError) as caught:
+        validation.check_single_run(config)
+    assert str(caught.value) == (
+        "cluster.container.runtime=podman runs a sweep's SLURM jobs in lab:1, but without -m "
+        "this run would train here, outside the image; add -m (a sweep of one job), or "
+        "cluster.container.runtime=null to train here")
+    validation.check_single_run(composed(*LAB))  # no container: it trains here
+    # train.py asks it of a run (not of a sweep's jobs), before torch or data load.
+    result = subprocess.run([sys.executable, "train.py", *LAB, "cluster.container.runtime=podman",
+                             "cluster.container.image=lab:1", f"hydra.run.dir={tmp_path}/run"],
+                            cwd=PROJECT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {caught.value}"

@@ -114,6 +114,17 @@ def _check_container(cfg: DictConfig) -> None:
                           f"(nvidia.com/gpu={{index}}, /dev/nvidia{{index}})")
 
 
+def check_single_run(cfg: DictConfig) -> None:
+    """What a run without -m cannot do: it trains in this process, here, so a
+    cluster.container would not hold (the image affects results; config/fields.py)."""
+    container = OmegaConf.select(cfg, "cluster.container", default=None)
+    if container is not None and container.runtime is not None:
+        raise ConfigError(f"cluster.container.runtime={container.runtime} runs a sweep's SLURM "
+                          f"jobs in {container.image}, but without -m this run would train "
+                          f"here, outside the image; add -m (a sweep of one job), or "
+                          f"cluster.container.runtime=null to train here")
+
+
 def check_checkpoint_monitor(cfg: DictConfig) -> None:
     """Refuse a checkpoint.monitor that no metric of the run carries: best.pt, early stopping
     and the sweepers' objective read it, and a typo would train the whole run to end "best

@@ -19,6 +19,14 @@ The script `exec`s the runtime, so SLURM's USR2 and SIGTERM reach it, and podman
 its default) and apptainer pass them on to the training process. With the host's PID namespace,
 the process ids a run-folder lock records are the host's, so its liveness checks hold
 (runs/lock.py).
+
+Requeueing from inside: on USR2 submitit checkpoints, then runs `scontrol requeue JOB`, and the
+image has no SLURM client (nor the cluster's munge key, nor a build of it that matches the
+cluster's). So the job's Python puts labrun's relay first on its PATH (relay_requeues): an
+`scontrol` that writes the request into the sweep folder, mounted at the same path; the batch
+script, on the host, runs the real `scontrol requeue` once srun has returned (submitit's
+teardown lines). One mechanism for all three runtimes, as the batch script runs outside the
+container for each.
 """
 
 from __future__ import annotations
@@ -72,14 +80,68 @@ def srun_args(container: DictConfig, binds: list[str], workdir: str) -> list[str
     return args
 
 
-def setup_lines(container: DictConfig) -> list[str]:
-    """What the job's batch script exports before srun (Pyxis passes the environment)."""
-    if container.runtime != "pyxis":
-        return []
-    lines = [f"export LABRUN_CONTAINER_IMAGE={shlex.quote(str(container.image))}"]
-    if not container.gpus:
-        lines.append("export NVIDIA_VISIBLE_DEVICES=void")
+# The folder of the relay's scontrol, as the batch script exports it to the job's tasks.
+RELAY_ENV = "LABRUN_CONTAINER_BIN"
+
+# labrun's scontrol inside the image: a requeue is written down for the batch script, on the
+# host, to carry out (teardown_lines); anything else is refused in one line.
+RELAY_SCONTROL = """#!/bin/sh
+# Written by labrun (launch/container.py): scontrol inside cluster.container's image, which has
+# no SLURM client. submitit's `scontrol requeue JOB` is written down beside this file; the job's
+# batch script, on the host, runs the real scontrol once this job's tasks have ended.
+if [ "$1" = requeue ] && [ $# -eq 2 ]; then
+  request="$(dirname "$0")/requeue-$SLURM_JOB_ID"
+  printf '%s\\n' "$2" > "$request.tmp" && mv "$request.tmp" "$request" && exit 0
+fi
+echo "error: scontrol $*: SLURM's commands do not run inside cluster.container's image (labrun relays a requeue only); run them on the host" >&2
+exit 1
+"""
+
+
+def relay_folder(folder: Path) -> Path:
+    """The folder (in `folder`, a submission's .submitit/STAMP, inside the mounted sweep folder)
+    holding the relay's scontrol, written once."""
+    relay = folder / "container-bin"
+    script = relay / "scontrol"
+    if not script.is_file():
+        relay.mkdir(parents=True, exist_ok=True)
+        with atomic_path(script) as tmp:
+            Path(tmp).write_text(RELAY_SCONTROL)
+            os.chmod(tmp, 0o755)
+    return relay
+
+
+def setup_lines(container: DictConfig, relay: Path) -> list[str]:
+    """What the job's batch script exports before srun: where the relay is (the runtimes pass
+    the host's environment: podman --env-host, Apptainer and Pyxis by default), and for Pyxis
+    the image, for provenance."""
+    lines = [f"export {RELAY_ENV}={shlex.quote(str(relay))}"]
+    if container.runtime == "pyxis":
+        lines.append(f"export LABRUN_CONTAINER_IMAGE={shlex.quote(str(container.image))}")
+        if not container.gpus:
+            lines.append("export NVIDIA_VISIBLE_DEVICES=void")
     return lines
+
+
+def teardown_lines() -> list[str]:
+    """What the batch script runs once srun has returned: the requeue the job asked for from
+    inside the container, then srun's exit status as the job's (a failed task fails the job).
+    The request goes first, so that the requeued job cannot find it."""
+    return ["labrun_status=$?",
+            "labrun_request=\"$" + RELAY_ENV + "/requeue-$SLURM_JOB_ID\"",
+            "if [ -e \"$labrun_request\" ]; then",
+            "  labrun_job=$(cat \"$labrun_request\") && rm -f \"$labrun_request\"",
+            "  scontrol requeue \"$labrun_job\"",
+            "fi",
+            "exit $labrun_status"]
+
+
+def relay_requeues() -> None:
+    """In a task of a cluster.container job: labrun's scontrol first on this process's PATH,
+    where submitit's requeue looks for it."""
+    relay = os.environ.get(RELAY_ENV)
+    if relay:
+        os.environ["PATH"] = relay + os.pathsep + os.environ.get("PATH", "")
 
 
 def python_command(container: DictConfig, binds: list[str], folder: Path) -> str:

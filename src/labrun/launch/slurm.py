@@ -82,7 +82,7 @@ class SlurmLauncher(sweep.SweepLauncher):
         self._stamp: str | None = None  # this launcher's submissions: .submitit/STAMP, .code/STAMP
         self._snapshot: Path | None = None
         self._unknown_since: dict[int, float] = {}  # job num -> when SLURM first did not know it
-        self._submitted_from = os.getcwd()  # relative paths of the config are relative to it
+        self._submitted_from: str | None = None  # the folder of the first submission (begin)
 
     def begin(self, jobs: list[Job]) -> None:
         """Submit the jobs as job arrays: one per distinct resource request (a trial of a
@@ -95,6 +95,7 @@ class SlurmLauncher(sweep.SweepLauncher):
         if self._stamp is None:
             self._stamp = time.strftime("%Y%m%d-%H%M%S")
             self._snapshot = sweep_dir / ".code" / self._stamp if cluster.snapshot else None
+            # Relative paths of the config are relative to it (before the snapshot is entered).
             self._submitted_from = os.getcwd()
         # One array per distinct resource request (a sweep over trainer.devices, say, asks
         # for different tasks and GPUs per node) and container (its mounts follow the paths).
@@ -123,7 +124,7 @@ class SlurmLauncher(sweep.SweepLauncher):
                   for group, share in zip(groups.values(), shares, strict=True)
                   for i, chunk in enumerate(split(group, limits.max_array_size))]
         submitted: list[str] = []
-        task = ArrayTask(sweep_dir, os.getcwd())  # before the snapshot enters its folder
+        task = ArrayTask(sweep_dir, self._submitted_from)
         try:
             with code_snapshot(self._snapshot):
                 for array, share, chained in arrays:
@@ -143,10 +144,11 @@ class SlurmLauncher(sweep.SweepLauncher):
         import submitit
 
         params = executor_parameters(jobs[0].config.cluster, self.config, self._snapshot)
-        image = self.container_parameters(jobs[0])
-        if image:
-            params["slurm_srun_args"] = image["srun_args"]
-            params["slurm_setup"] = [*params.get("slurm_setup", []), *image["setup"]]
+        in_container = self.container_parameters(jobs[0])
+        if in_container:
+            params["slurm_srun_args"] = in_container["srun_args"]
+            params["slurm_setup"] = [*params.get("slurm_setup", []), *in_container["setup"]]
+            params["slurm_teardown"] = in_container["teardown"]
         if throttle is not None:
             params["slurm_array_parallelism"] = throttle
         if after is not None:
@@ -157,7 +159,7 @@ class SlurmLauncher(sweep.SweepLauncher):
         folder = self.sweep_dir / ".submitit" / self._stamp
         executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm",
                                          slurm_max_num_timeout=jobs[0].config.cluster.max_num_timeout,
-                                         slurm_python=image.get("python"))
+                                         slurm_python=in_container.get("python"))
         executor.update_parameters(**params)
         task.shared = self.shared_file(folder)
         handles = executor.map_array(task, [pickle.dumps(job.config) for job in jobs])
@@ -176,7 +178,8 @@ class SlurmLauncher(sweep.SweepLauncher):
 
     def container_parameters(self, job: Job) -> dict[str, Any]:
         """What runs the job's tasks in cluster.container's image (launch/container.py):
-        submitit's python, srun's arguments and the batch script's exports; {} without one."""
+        submitit's python, srun's arguments, the batch script's exports and, after srun, the
+        requeue a task asked for from inside; {} without one."""
         image = job.config.cluster.get("container")
         if image is None or image.runtime is None:
             return {}
@@ -185,10 +188,11 @@ class SlurmLauncher(sweep.SweepLauncher):
                                  self._submitted_from)
         # sbatch runs in the folder it was called from: the snapshot's, else the submitter's.
         workdir = str(self._snapshot or self._submitted_from)
-        return {"python": container.python_command(image, binds,
-                                                   self.sweep_dir / ".submitit" / self._stamp),
+        folder = self.sweep_dir / ".submitit" / self._stamp
+        return {"python": container.python_command(image, binds, folder),
                 "srun_args": container.srun_args(image, binds, workdir),
-                "setup": container.setup_lines(image)}
+                "setup": container.setup_lines(image, container.relay_folder(folder)),
+                "teardown": container.teardown_lines()}
 
     def shared_file(self, folder: Path) -> Path:
         """The launcher and Hydra's singleton state, pickled once into `folder` for every task
@@ -293,6 +297,7 @@ class ArrayTask:
             launcher, state = pickle.load(f)
         config = pickle.loads(config)
         Singleton.set_state(state)  # a path may interpolate ${hydra:runtime.cwd}
+        container.relay_requeues()  # in cluster.container's image: requeue through the host
         make_paths_absolute(config, self.sweep_dir, self.submitted_from)
         return launcher(config, state)
 
