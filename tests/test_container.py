@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -92,23 +93,41 @@ def run_script(command: str, path_dirs: list[Path], cwd: Path) -> subprocess.Com
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
 
 
+def sif_header(image_id: uuid.UUID) -> bytes:
+    """The start of a SIF file as Apptainer builds it (sylabs/sif pkg/sif/sif.go: the launch
+    line, magic, version, architecture, then the image's ID), without the image behind it."""
+    launch = b"#!/usr/bin/env run-singularity\n".ljust(32, b"\0")
+    return launch + b"SIF_MAGIC\0" + b"01\0" + b"02\0" + image_id.bytes + bytes(64)
+
+
 def test_apptainer_execs_the_image_with_nv_binds_and_the_task_arguments(tmp_path):
     image = tmp_path / "torch.sif"
-    image.write_bytes(b"SIF")
+    image_id = uuid.uuid4()
+    image.write_bytes(sif_header(image_id))
     stand_in = tmp_path / "bin"
     stand_in.mkdir()
     (stand_in / "apptainer").write_text('#!/bin/sh\necho "$LABRUN_CONTAINER_IMAGE"\n'
+                                        'echo "$LABRUN_CONTAINER_DIGEST"\n'
                                         'for a in "$@"; do echo "$a"; done\n')
     (stand_in / "apptainer").chmod(0o755)
     command = container.python_command(container_config("apptainer", str(image)),
                                        ["/code", "/data"], tmp_path / "submitit")
     result = run_script(command, [stand_in], tmp_path)
     assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
     # apptainer exec [--nv] --bind SRC[,SRC] --pwd DIR IMAGE COMMAND ARGS (apptainer exec --help)
-    # The image for provenance, then apptainer's arguments.
+    # The image and its ID for provenance, then apptainer's arguments.
     assert result.stdout.split("\n")[:-1] == [
-        str(image), "exec", "--nv", "--bind", "/code,/data", "--pwd", str(tmp_path), str(image), "python3",
-        "-u", "-m", "submitit.core._submit", "/f"]
+        str(image), f"sif-id:{image_id}", "exec", "--nv", "--bind", "/code,/data", "--pwd",
+        str(tmp_path), str(image), "python3", "-u", "-m", "submitit.core._submit", "/f"]
+    # A sandbox folder has no header: the image alone, and no noise on stderr.
+    sandbox = tmp_path / "sandbox"
+    sandbox.mkdir()
+    result = run_script(container.python_command(container_config("apptainer", str(sandbox)),
+                                                 ["/code"], tmp_path / "submitit"),
+                        [stand_in], tmp_path)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.split("\n")[:2] == [str(sandbox), ""]
     # The same config writes the same script once.
     assert container.python_command(container_config("apptainer", str(image)),
                                     ["/code", "/data"], tmp_path / "submitit") == command

@@ -203,8 +203,19 @@ def task_script(container: DictConfig, binds: list[str]) -> str:
                       f"$(hostname); build it there (apptainer build) or give its path\" >&2",
                       "  exit 125",
                       "fi"]
-        # Provenance records the image (runs/provenance.py); Apptainer passes the environment.
+        # Provenance records the image and (a SIF file) its ID (runs/provenance.py); Apptainer
+        # passes the environment. The ID is the UUID SIF's global header holds at byte 48
+        # (sylabs/sif pkg/sif/sif.go: launch[32], magic[10], version[3], arch[3], ID[16]), set
+        # when the image was built: read from the header because hashing a multi-GB image at
+        # every task's start costs minutes, and Apptainer has no cheaper digest of its own.
         lines.append(f"export LABRUN_CONTAINER_IMAGE={q(image)}")
+        if "://" not in image:
+            lines += [f"if [ -f {q(image)} ] && "
+                      f"[ \"$(head -c 41 {q(image)} | tail -c 9)\" = SIF_MAGIC ]; then",
+                      f"  id=$(od -An -tx1 -j48 -N16 {q(image)} | tr -d ' \\n')",
+                      "  export LABRUN_CONTAINER_DIGEST=\"sif-id:${id:0:8}-${id:8:4}-"
+                      "${id:12:4}-${id:16:4}-${id:20:12}\"",
+                      "fi"]
         run = ["exec apptainer exec", *(["--nv"] if container.gpus else []),
                f"--bind {q(','.join(binds))}", "--pwd \"$PWD\""]
         lines.append(" \\\n  ".join([*run, q(image), q(container.python), "\"$@\""]))
