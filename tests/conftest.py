@@ -402,3 +402,13 @@ DDP_SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=8",
 # above the largest rounding seen, 19x and 5x below the smallest real difference.
 DDP_WEIGHT_TOLERANCE = 1e-4
 DDP_LOSS_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="session")
+def ddp_short_one_process(tmp_path_factory) -> Path:
+    """DDP_SHORT in one process, with one thread: what N processes, local or on N nodes, with
+    the same global batch must match within the tolerances above (test_distributed.py,
+    test_cluster_lab.py)."""
+    folder = built_once(tmp_path_factory, "ddp_short_one", lambda folder: run_train(
+        "trainer.devices=1", *DDP_SHORT, run_dir=folder / "run", env={"OMP_NUM_THREADS": "1"}))
+    return folder / "run"

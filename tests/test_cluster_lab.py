@@ -41,7 +41,6 @@ from conftest import (
     read_metrics,
     read_summary,
     run_labrun,
-    run_train,
     slurm_configured,
     wait_for,
 )
@@ -408,7 +407,8 @@ if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("SLURM_ARRAY_TASK_ID
 """
 
 
-def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenarios):
+def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenarios,
+                                                                ddp_short_one_process):
     """One rank on each of two nodes (gloo over the nodes' own addresses): the ranks run on
     different hosts, the result matches one process with the same global batch, in the venv
     and in podman containers (whose rendezvous reads the node list SLURM gave, with no SLURM
@@ -431,8 +431,7 @@ def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenar
     wait_for(sweep_dir / "1" / "checkpoints" / "step-00000010.pt", proc)
     job_id = manifest(sweep_dir)["jobs"][1]["job_id"]
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    one = tmp_path / "one"
-    run_train(*DDP_SHORT, run_dir=one, env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    one = ddp_short_one_process
     short_output = finish(short)
     assert short.returncode == 0, short_output
     two = tmp_path / "short" / "0"

@@ -1,6 +1,6 @@
 """Sweeps on a real SLURM cluster (scripts/slurm_up.sh; cluster=slurm_dev uses its CPU
 partition dev, with slurmdbd accounting) through submitit: job arrays, DDP with two tasks,
-preemption and requeue, cancelling on Ctrl-C and with `labrun cancel`, detached submission, a
+preemption and requeue (bit-exact weights, a whole W&B history), cancelling on Ctrl-C and with `labrun cancel`, detached submission, a
 sweep that outlives its terminal (SIGHUP) and is attached to, an Optuna study with its trials
 in flight, and requests no node can satisfy."""
 
@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_tracking import OFFLINE
+from test_wandb_history import history_problems
 
 from conftest import (
+    DETERMINISTIC,
     FAST,
     LABRUN,
     PROJECT,
@@ -167,17 +170,24 @@ def test_a_failure_on_rank_1_is_reported(tmp_path):
     assert read_summary(tmp_path / "sweep" / "0")["status"] == "completed"  # rank 0's view
 
 
-def test_preempted_job_requeues_and_ends_with_identical_weights(tmp_path):
-    overrides = ["trainer.max_epochs=3", "trainer.deterministic=true",
-                 "checkpoint.every_n_steps=5", "+variant=plain,preempted"]
+def test_preempted_job_requeues_into_identical_weights_and_a_whole_wandb_history(
+        tmp_path, reference_weights):
+    """A one-job sweep of the reference run (conftest.DETERMINISTIC), logging to W&B offline,
+    is preempted (USR2), requeued and resumed: its weights equal the uninterrupted reference
+    run's, and its W&B offline segments, read back with `wandb leet inspect`, hold every step
+    of metrics.jsonl exactly once with the same values (logging changes no weight)."""
+    overrides = [*DETERMINISTIC, "logger=wandb", "trainer.log_every_n_steps=5",
+                 "+variant=preempted"]
+    # The job inherits the submitting environment (submitit's sbatch): W&B offline there too.
     proc = subprocess.Popen(sweep_args(tmp_path, *overrides), cwd=PROJECT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    requeue_with_usr2(tmp_path, proc, job=1)
-    plain = torch.load(tmp_path / "0/checkpoints/last.pt", weights_only=True)["model"]
-    preempted = torch.load(tmp_path / "1/checkpoints/last.pt", weights_only=True)["model"]
-    assert_identical(preempted, plain)
-    steps = [p["step"] for p in read_metrics(tmp_path / "1") if "train/loss" in p]
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **OFFLINE})
+    requeue_with_usr2(tmp_path, proc, job=0)
+    preempted = torch.load(tmp_path / "0/checkpoints/last.pt", weights_only=True)["model"]
+    assert_identical(preempted, reference_weights)
+    steps = [p["step"] for p in read_metrics(tmp_path / "0") if "train/loss" in p]
     assert len(steps) == len(set(steps))
+    assert history_problems(tmp_path / "0") == []
 
 
 def test_ctrl_c_cancels_the_sweeps_jobs(tmp_path):

@@ -177,9 +177,8 @@ def test_unknown_timm_name_is_a_config_error(composed):
         models.build(composed("model=timm", "model.name=resnet_nope").model, num_classes=2)
 
 
-def test_checkpoint_holds_exactly_the_typed_keys(tmp_path):
+def test_checkpoint_holds_exactly_the_typed_keys(digits_run):
     from labrun.train.checkpoint import CheckpointState, load
 
-    run_train("trainer.max_epochs=1", "trainer.limit_train_batches=2", run_dir=tmp_path)
-    state = load(tmp_path / "checkpoints" / "last.pt")
+    state = load(digits_run / "checkpoints" / "last.pt")
     assert set(state) == CheckpointState.__required_keys__ | CheckpointState.__optional_keys__

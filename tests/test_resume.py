@@ -74,11 +74,10 @@ def test_sigterm_saves_at_the_next_step_and_resume_command_finishes(tmp_path, re
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
 
 
-def test_resume_refuses_a_changed_config(tmp_path):
+def test_resume_refuses_a_changed_config(tmp_path, short_run):
     run_dir = tmp_path / "run"
-    run_train("trainer.max_epochs=1", "trainer.limit_train_batches=2", run_dir=run_dir)
-    result = run_train("trainer.max_epochs=1", "trainer.limit_train_batches=2",
-                       "optimizer.lr=0.5", run_dir=run_dir, check=False)
+    shutil.copytree(short_run, run_dir)  # a finished run of its own
+    result = run_train(*SHORT, "optimizer.lr=0.5", run_dir=run_dir, check=False)
     assert result.returncode == 2
     assert "optimizer.lr" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -12,7 +12,7 @@ online and offline, `wandb sync` and `wandb leet inspect` all run for real.
 
 All tests resume a copy of one run stopped by SIGTERM after its step-10 checkpoint (made once,
 in the module's fixture). The kill -9 trials are in faults/test_wandb_holes.py, the SLURM
-requeue in test_wandb_requeue.py; `history_problems` is their shared check."""
+requeue in test_cluster_slurm.py (its preempted job); `history_problems` is their shared check."""
 
 from __future__ import annotations
 
@@ -303,8 +303,13 @@ def test_a_sigtermed_run_resumes_into_a_whole_history(stopped, tmp_path):
     assert "resuming from" in result.stdout
     assert history_problems(run_dir) == []
     # The stopped segment was logged again by the resumed one: kept aside, not uploaded.
-    assert list((run_dir / "wandb" / "superseded").glob("offline-run-*"))
-    assert len(segments(run_dir)) == 1
+    [first] = sorted((run_dir / "wandb" / "superseded").glob("offline-run-*"))
+    [second] = segments(run_dir)
+    # Both segments are one W&B run, which the second resumed.
+    ids = {next(r["run"]["run_id"] for r in inspect_records(p) if r["type"] == "run")
+           for p in (first, second)}
+    assert len(ids) == 1, "the resumed run started a new W&B run"
+    assert next(r["run"] for r in inspect_records(second) if r["type"] == "run")["resume"] is True
 
 
 def test_an_uploaded_segment_is_not_logged_again(stopped, tmp_path, fake):

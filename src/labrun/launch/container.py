@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from labrun.config import facts
 from labrun.core.files import atomic_path
+from labrun.core.scheduler import SlurmScheduler
 
 RUNTIMES = ("apptainer", "pyxis", "podman")
 
@@ -83,17 +84,21 @@ def srun_args(container: DictConfig, binds: list[str], workdir: str) -> list[str
 # The folder of the relay's scontrol, as the batch script exports it to the job's tasks.
 RELAY_ENV = "LABRUN_CONTAINER_BIN"
 
-# labrun's scontrol inside the image: a requeue is written down for the batch script, on the
-# host, to carry out (teardown_lines); anything else is refused in one line.
-RELAY_SCONTROL = """#!/bin/sh
-# Written by labrun (launch/container.py): scontrol inside cluster.container's image, which has
-# no SLURM client. submitit's `scontrol requeue JOB` is written down beside this file; the job's
-# batch script, on the host, runs the real scontrol once this job's tasks have ended.
-if [ "$1" = requeue ] && [ $# -eq 2 ]; then
-  request="$(dirname "$0")/requeue-$SLURM_JOB_ID"
+
+def relay_script() -> str:
+    """labrun's scontrol inside the image: a requeue is written down, beside the script, for
+    the batch script on the host to carry out (teardown_lines); anything else is refused in one
+    line."""
+    command, verb = SlurmScheduler.REQUEUE_COMMAND
+    return f"""#!/bin/sh
+# Written by labrun (launch/container.py): {command} inside cluster.container's image, which has
+# no SLURM client. submitit's `{command} {verb} JOB` is written down beside this file; the job's
+# batch script, on the host, runs the real one once this job's tasks have ended.
+if [ "$1" = {verb} ] && [ $# -eq 2 ]; then
+  request="$(dirname "$0")/requeue-${SlurmScheduler.JOB_ID_VARIABLE}"
   printf '%s\\n' "$2" > "$request.tmp" && mv "$request.tmp" "$request" && exit 0
 fi
-echo "error: scontrol $*: SLURM's commands do not run inside cluster.container's image (labrun relays a requeue only); run them on the host" >&2
+echo "error: {command} $*: SLURM's commands do not run inside cluster.container's image (labrun relays a requeue only); run them on the host" >&2
 exit 1
 """
 
@@ -102,11 +107,11 @@ def relay_folder(folder: Path) -> Path:
     """The folder (in `folder`, a submission's .submitit/STAMP, inside the mounted sweep folder)
     holding the relay's scontrol, written once."""
     relay = folder / "container-bin"
-    script = relay / "scontrol"
+    script = relay / SlurmScheduler.REQUEUE_COMMAND[0]
     if not script.is_file():
         relay.mkdir(parents=True, exist_ok=True)
         with atomic_path(script) as tmp:
-            Path(tmp).write_text(RELAY_SCONTROL)
+            Path(tmp).write_text(relay_script())
             os.chmod(tmp, 0o755)
     return relay
 
@@ -128,10 +133,10 @@ def teardown_lines() -> list[str]:
     inside the container, then srun's exit status as the job's (a failed task fails the job).
     The request goes first, so that the requeued job cannot find it."""
     return ["labrun_status=$?",
-            "labrun_request=\"$" + RELAY_ENV + "/requeue-$SLURM_JOB_ID\"",
+            f"labrun_request=\"${RELAY_ENV}/requeue-${SlurmScheduler.JOB_ID_VARIABLE}\"",
             "if [ -e \"$labrun_request\" ]; then",
             "  labrun_job=$(cat \"$labrun_request\") && rm -f \"$labrun_request\"",
-            "  scontrol requeue \"$labrun_job\"",
+            "  " + SlurmScheduler.requeue_line('"$labrun_job"'),
             "fi",
             "exit $labrun_status"]
 

@@ -119,6 +119,16 @@ class SlurmScheduler:
         return {key: value for key, value in env.items()
                 if not key.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))}
 
+    # A job's own id, in its batch script and in its tasks (each array element's own).
+    JOB_ID_VARIABLE = "SLURM_JOB_ID"
+    # What submitit runs in a job to requeue it (SlurmJobEnvironment._requeue): COMMAND VERB JOB.
+    REQUEUE_COMMAND = ("scontrol", "requeue")
+
+    @classmethod
+    def requeue_line(cls, job: str) -> str:
+        """The shell line that requeues `job` (a word of the shell: an id, "$VARIABLE")."""
+        return " ".join([*cls.REQUEUE_COMMAND, job])
+
     # -- jobs --------------------------------------------------------------------------------
 
     @staticmethod
