@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -83,6 +84,25 @@ def run_labrun(*args: str, check: bool = True, timeout: int = 300, cwd: Path = P
         raise AssertionError(f"labrun {' '.join(args)} failed ({result.returncode}):\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def freeze_outside_the_journal_lock(pid: int, journal: Path) -> None:
+    """SIGSTOP `pid` at a moment it does not hold the Optuna journal's lock (a symlink beside
+    the journal while a process writes to it). Stopped while holding it, a trial would keep the
+    study and the other trials out of the journal for Optuna's grace period (30 s), after which
+    they break the lock, and the trial fails when it comes back ("did not possess lock"). A
+    stopped process cannot take the lock: if the lock is free once it has stopped, it holds
+    nothing."""
+    lock = Path(f"{journal}.lock")
+    for _ in range(500):  # the lock is held for milliseconds at a time
+        os.kill(pid, signal.SIGSTOP)
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.001)  # the signal is delivered, and the process stopped, in moments
+        if not os.path.lexists(lock):
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.01)
+    raise AssertionError(f"{lock} was held at every try")
 
 
 def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -27,6 +27,7 @@ from conftest import (
     PROJECT,
     PYTHON,
     assert_identical,
+    freeze_outside_the_journal_lock,
     holder_pid,
     manifest,
     read_metrics,
@@ -401,7 +402,7 @@ def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_i
     # Trial 1 held still (SIGSTOP; SLURM still runs it) until the requeued controller has
     # attached to it: a trial that ended meanwhile is only told, not attached to.
     trial = holder_pid(tmp_path / "1")
-    os.kill(trial, signal.SIGSTOP)
+    freeze_outside_the_journal_lock(trial, tmp_path / "optuna.journal")
     try:
         subprocess.run(["scontrol", "requeue", controller], check=True, timeout=30)
         log = Path(manifest(tmp_path)["controller"]["log"])

@@ -20,6 +20,7 @@ from conftest import (
     LABRUN,
     PROJECT,
     PYTHON,
+    freeze_outside_the_journal_lock,
     holder_pid,
     manifest,
     read_summary,
@@ -107,7 +108,7 @@ def test_an_optuna_trial_starts_as_soon_as_a_slot_frees_not_when_its_batch_ends(
     # below fails at its deadline). Start-up and a few steps: under a minute loaded; 300 s.
     wait_for_file(sweep_dir / "1" / "metrics.jsonl", output, study, timeout=300)
     long_trial = holder_pid(sweep_dir / "1")
-    os.kill(long_trial, signal.SIGSTOP)
+    freeze_outside_the_journal_lock(long_trial, sweep_dir / "optuna.journal")
     try:
         wait_for_file(sweep_dir / "2" / "metrics.jsonl", output, study, timeout=300)
     finally:
