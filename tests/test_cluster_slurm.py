@@ -395,12 +395,14 @@ def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_i
     # The terminal is gone (the command returned). Mid-study, while trial 1 trains, the
     # controller is requeued (a preemption would do the same): submission, start-up and a
     # trial, under two minutes loaded; 300 s only stops a hang.
+    # Trial 1 is held still (SIGSTOP; SLURM still runs it) from the moment its run-folder lock
+    # names it (before its data loads) until the requeued controller has attached to it: a
+    # trial that ended meanwhile is only told, not attached to, and a trial of 6 steps trains
+    # in under a second.
     deadline = time.time() + 300
-    while not (tmp_path / "1" / "metrics.jsonl").exists():
+    while not (tmp_path / "1" / ".lock").exists():
         assert time.time() < deadline, Path(manifest(tmp_path)["controller"]["log"]).read_text()
-        time.sleep(0.5)
-    # Trial 1 held still (SIGSTOP; SLURM still runs it) until the requeued controller has
-    # attached to it: a trial that ended meanwhile is only told, not attached to.
+        time.sleep(0.02)
     trial = holder_pid(tmp_path / "1")
     freeze_outside_the_journal_lock(trial, tmp_path / "optuna.journal")
     try:
