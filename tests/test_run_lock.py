@@ -92,7 +92,7 @@ def test_the_lock_records_who_trains_and_goes_away_on_release(tmp_path, monkeypa
     facts = json.loads(path.read_text())
     assert (facts["host"], facts["pid"], facts["job_id"], facts["restart"]) == (
         socket.gethostname(), os.getpid(), "4242", 3)
-    assert facts["pid_start"] == lock._pid_start(os.getpid()) is not None
+    assert facts["pid_start"] == lock.pid_start(os.getpid()) is not None
     assert abs(facts["started_at"] - time.time()) < 60
     assert lock.acquire(path) is None  # taken again by its holder: nothing new
     assert sorted(p.name for p in path.parent.iterdir()) == [".lock"]  # no temporary left
@@ -134,7 +134,7 @@ def test_a_killed_holders_lock_is_taken_over_in_one_line(tmp_path, caplog):
 def test_a_reused_pid_is_not_taken_for_the_holder(tmp_path):
     path = lock_file(tmp_path)
     # This very PID is alive, but it started at another time than the lock says.
-    write_lock(path, pid=os.getpid(), pid_start=lock._pid_start(os.getpid()) - 1)
+    write_lock(path, pid=os.getpid(), pid_start=lock.pid_start(os.getpid()) - 1)
     assert lock.acquire(path) is not None
 
 
@@ -360,7 +360,7 @@ def test_a_lock_unreadable_for_half_the_stale_time_is_lost_for_good(tmp_path, mo
 def stale_lock(path: Path) -> lock.Holder:
     """A lock whose holder is gone: this process's PID, with another start time (a reused
     PID), so judged stale at once and the same way by every claimant."""
-    return write_lock(path, pid=os.getpid(), pid_start=lock._pid_start(os.getpid()) - 1,
+    return write_lock(path, pid=os.getpid(), pid_start=lock.pid_start(os.getpid()) - 1,
                       token="stale")
 
 

@@ -79,39 +79,47 @@ checkpoint the check is made after torch.save, right before the rename) a displa
 still complete one write. Log lines (train.log) of a displaced holder may appear until its
 next write check. Hosts are told apart by hostname: two containers with one hostname and
 separate PID namespaces would see each other's PIDs as gone.
+
+The lock file's content and the judging of its holder (the staleness policy above) are
+runs/lock_holder.py's; this module takes, keeps and gives back the lock.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import logging
 import os
 import random
-import secrets
-import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 
 from labrun.core import environment
 from labrun.core.errors import LabrunError
-from labrun.core.scheduler import ACTIVE_STATES, SlurmScheduler
+from labrun.runs.lock_holder import (  # noqa: F401 - re-exported: lock.read_holder and the rest
+    SLURM_ACTIVE,
+    STALE_AFTER_S,
+    Holder,
+    busy_message,
+    gone_reason,
+    launch_id,
+    live_holder,
+    look,
+    me,
+    pid_start,
+    read_holder,
+    stale_reason,
+)
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "LABRUN_RUN_LOCK"  # "TOKEN PATH": the right to write in PATH, for child processes
 HEARTBEAT_S = 30.0
-# 10 minutes without a heartbeat: 20 missed beats, far above an NFS server's hiccup or clock
-# skew between NTP-synchronised nodes, short enough next to a requeue's wait.
-STALE_AFTER_S = 600.0
 # A rank other than 0 waits this long for its rank 0 to take the lock (its start-up and a
 # take-over fit in it with room).
 FOLLOW_TIMEOUT_S = 300
-# The states in which a job's processes may still be running (core.scheduler's).
-SLURM_ACTIVE = ACTIVE_STATES
 # Rounds of acquire's loop: each looks at the lock once and either takes it, refuses, or waits
 # out another claimant's take-over or an unreadable lock; with the back-off below, about 10 s.
 TAKE_TRIES = 20
@@ -128,154 +136,10 @@ class LockLost(LabrunError):
     """This process held the run folder's lock and another took it over."""
 
 
-@dataclass(frozen=True)
-class Holder:
-    host: str
-    pid: int
-    pid_start: int | None  # /proc/PID/stat start time (ticks since boot); None: unknown
-    job_id: str | None  # SLURM_JOB_ID
-    restart: int  # SLURM_RESTART_COUNT
-    launch: str | None  # what the ranks of one launch share (see launch_id)
-    started_at: float
-    token: str
-
-    def who(self) -> str:
-        job = f" (SLURM job {self.job_id}" + (f", restart {self.restart})" if self.restart
-                                               else ")") if self.job_id else ""
-        return f"PID {self.pid} on {self.host}{job}"
-
-    def since(self) -> str:
-        at = time.localtime(self.started_at)
-        same_day = time.strftime("%Y-%m-%d", at) == time.strftime("%Y-%m-%d")
-        return time.strftime("%H:%M" if same_day else "%Y-%m-%d %H:%M", at)
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """The process's state letter and start time in clock ticks since boot (fields 3 and 22 of
-    /proc/PID/stat); None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and ")"
-        return after_name[0], int(after_name[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _pid_start(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
-    stat = _proc_stat(pid)
-    return stat[1] if stat else None
-
-
-def launch_id() -> str | None:
-    """What the processes of one launch share: the scheduler's job id and restart count, or
-    torchrun's rendezvous; None for a process started alone (core.environment)."""
-    return environment.read().launch_id
-
-
-def me() -> Holder:
-    here = environment.read()
-    return Holder(host=socket.gethostname(), pid=os.getpid(), pid_start=_pid_start(os.getpid()),
-                  job_id=here.job_id, restart=here.restart_count, launch=here.launch_id,
-                  started_at=time.time(), token=secrets.token_hex(8))
-
-
-@dataclass(frozen=True)
-class _Seen:
-    """What one read of a lock file found: a holder, bytes that are no lock (`junk`), an error
-    that may pass (`error`: the file server's hiccup), or none of these (no such file)."""
-    holder: Holder | None = None
-    junk: bytes | None = None
-    error: OSError | None = None
-    key: str | None = None  # a digest of the bytes read: which lock this is, for the gate
-
-    @property
-    def gone(self) -> bool:
-        return self.holder is None and self.junk is None and self.error is None
-
-
-def _look(path: str | Path) -> _Seen:
-    try:
-        with open(path, "rb") as f:  # open + read: fresh data on NFS (close-to-open)
-            raw = f.read()
-    except FileNotFoundError:
-        return _Seen()
-    except OSError as error:  # EIO, ESTALE, a timed-out soft mount...: may pass
-        return _Seen(error=error)
-    key = hashlib.sha256(raw).hexdigest()[:16]
-    try:
-        data = json.loads(raw)
-        # Keys a later labrun adds are ignored; a file without these keys is no lock.
-        return _Seen(holder=Holder(**{f.name: data[f.name] for f in fields(Holder)}), key=key)
-    except (ValueError, TypeError, KeyError):
-        return _Seen(junk=raw, key=key)
-
-
-def read_holder(path: str | Path) -> Holder | None:
-    """Who holds the lock file `path` now (None: nobody, a file that is no lock, or one that
-    cannot be read now)."""
-    return _look(path).holder
-
-
-def live_holder(path: str | Path) -> Holder | None:
-    """The holder of lock file `path` while it still trains (its process alive on this host,
-    its SLURM job running elsewhere); None when nobody holds it or the holder is gone: how a
-    sweep tells a job that outlived its launcher."""
-    holder = read_holder(path)
-    if holder is None or _gone_reason(holder, path, socket.gethostname()) is not None:
-        return None
-    return holder
-
-
-def busy_message(path: str | Path, holder: Holder) -> str:
-    return (f"{Path(path).parent} is being trained by {holder.who()} since {holder.since()}; wait for it, "
-            f"or stop it first")
-
-
 def _backoff(attempt: int, cap: float) -> float:
     """The wait before retry `attempt` (0, 1, ...): doubling from 1 ms up to `cap`, with jitter
     so that claimants that collided do not collide again in step."""
     return min(cap, 0.001 * 2 ** attempt) * random.uniform(0.5, 1.5)
-
-
-# -- judging a holder --------------------------------------------------------------------------
-
-
-def slurm_job_active(job_id: str) -> bool | None:
-    """Whether SLURM job `job_id` may still have processes running; None: SLURM cannot tell.
-    (15 s at most: judging a lock waits no longer for the controller.)"""
-    return SlurmScheduler(timeout=15).job_alive(job_id)
-
-
-def stale_reason(holder: Holder, path: str | Path, mine: Holder) -> str | None:
-    """Why `holder` no longer trains (or must give way to `mine`); None: it is live."""
-    if holder.job_id and holder.job_id == mine.job_id and mine.restart > holder.restart:
-        return (f"SLURM job {holder.job_id} was requeued (restart {mine.restart} > "
-                f"{holder.restart})")
-    return _gone_reason(holder, path, mine.host)
-
-
-def _gone_reason(holder: Holder, path: str | Path, host: str) -> str | None:
-    """Why the process `holder` no longer runs, as seen from `host`, with `path`'s mtime as its
-    heartbeat; None: it may still run."""
-    if holder.host == host:
-        stat = _proc_stat(holder.pid)
-        if stat is None or (holder.pid_start is not None and stat[1] != holder.pid_start):
-            return f"PID {holder.pid} is gone"
-        if stat[0] in ("Z", "X"):  # exited; its parent has not reaped it yet
-            return f"PID {holder.pid} is gone (exited, not yet reaped)"
-        return None
-    if holder.job_id:
-        active = slurm_job_active(holder.job_id)
-        if active is not None:
-            return None if active else f"SLURM job {holder.job_id} is no longer running"
-    try:
-        age = time.time() - Path(path).stat().st_mtime
-    except OSError:
-        return None  # gone meanwhile: the next attempt creates it
-    if age > STALE_AFTER_S:
-        return f"no heartbeat for {age / 60:.0f} min"
-    return None
 
 
 # -- taking, checking, giving back ---------------------------------------------------------------
@@ -323,18 +187,18 @@ def _through_gate(path: Path, key: str, mine: Holder, replace: bool) -> bool | H
     the lock is another one now (judge it again); a Holder: that process is taking it over."""
     for level in range(GATE_LEVELS):
         gate = path.with_name(f"{path.name}.take.{key}.{level}")
-        there = _look(gate)  # a look first: creating writes and syncs a file
+        there = look(gate)  # a look first: creating writes and syncs a file
         if there.gone:
             if _open_gate(gate, path, mine, replace):
                 break
-            there = _look(gate)
+            there = look(gate)
         if there.holder is None:
             return False  # renamed over the lock or given up just now: the lock changed
         if there.holder.token == mine.token:
             break  # this process's own: a retried link whose first reply was lost
         # Whether the gate's process still runs, not the requeue rule: a live holder that is
         # releasing its lock, or a live claimant, is never passed.
-        if _gone_reason(there.holder, gate, mine.host) is None:
+        if gone_reason(there.holder, gate, mine.host) is None:
             return there.holder
         # Its holder crashed while it held the gate: the next level decides who goes on.
     else:
@@ -343,7 +207,7 @@ def _through_gate(path: Path, key: str, mine: Holder, replace: bool) -> bool | H
     try:
         # Read again now that no one else can change this lock: the judgement was made from
         # data read before, and a winner may have replaced the lock since.
-        if _look(path).key != key:
+        if look(path).key != key:
             return False
         if replace:
             try:
@@ -417,7 +281,7 @@ class RunLock:
         _confirmed.pop(_key(self.path), None)
         if os.environ.get(TOKEN_ENV, "").startswith(self.holder.token + " "):
             os.environ.pop(TOKEN_ENV, None)
-        seen = _look(self.path)
+        seen = look(self.path)
         if seen.holder is not None and seen.holder.token == self.holder.token:
             # Through the gate: a claimant that judged this lock stale may be replacing it.
             _through_gate(self.path, seen.key, self.holder, replace=False)
@@ -427,7 +291,7 @@ def _ownership(path: str | Path, token: str) -> tuple[str, str]:
     """One read of lock file `path` by the process with `token`: ("mine", ""), ("lost", how)
     or ("unreadable", what went wrong) while that may still pass."""
     key = _key(path)
-    seen = _look(path)
+    seen = look(path)
     now = time.monotonic()
     if seen.holder is not None and seen.holder.token == token:
         _confirmed[key] = now
@@ -453,7 +317,7 @@ def _take(path: Path, mine: Holder) -> None:
     for attempt in range(TAKE_TRIES):
         if attempt:
             time.sleep(_backoff(attempt, 1.0))
-        seen = _look(path)
+        seen = look(path)
         if seen.gone:
             if _create(path, mine):
                 return
