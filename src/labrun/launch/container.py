@@ -41,6 +41,8 @@ from omegaconf import DictConfig, OmegaConf
 from labrun.config import facts
 from labrun.core.files import atomic_path
 from labrun.core.scheduler import SlurmScheduler
+from labrun.runs.provenance import CONTAINER_DIGEST_ENV as DIGEST_ENV
+from labrun.runs.provenance import CONTAINER_IMAGE_ENV as IMAGE_ENV
 
 RUNTIMES = ("apptainer", "pyxis", "podman")
 
@@ -122,7 +124,7 @@ def setup_lines(container: DictConfig, relay: Path) -> list[str]:
     the image, for provenance."""
     lines = [f"export {RELAY_ENV}={shlex.quote(str(relay))}"]
     if container.runtime == "pyxis":
-        lines.append(f"export LABRUN_CONTAINER_IMAGE={shlex.quote(str(container.image))}")
+        lines.append(f"export {IMAGE_ENV}={shlex.quote(str(container.image))}")
         if not container.gpus:
             lines.append("export NVIDIA_VISIBLE_DEVICES=void")
     return lines
@@ -187,7 +189,7 @@ def task_script(container: DictConfig, binds: list[str]) -> str:
         lines.append(f"digest=$(podman image inspect --format '{{{{.Digest}}}}' {q(image)})")
         run = ["exec podman run --rm --pull=never --env-host --network=host --pid=host "
                "--ipc=host --workdir \"$PWD\"",
-               f"-e LABRUN_CONTAINER_IMAGE={q(image)} -e LABRUN_CONTAINER_DIGEST=\"$digest\"",
+               f"-e {IMAGE_ENV}={q(image)} -e {DIGEST_ENV}=\"$digest\"",
                *(f"-v {q(m)}:{q(m)}" for m in binds)]
         if container.gpus:
             prefix, _, suffix = str(container.gpu_device).partition("{index}")
@@ -213,12 +215,12 @@ def task_script(container: DictConfig, binds: list[str]) -> str:
         # (sylabs/sif pkg/sif/sif.go: launch[32], magic[10], version[3], arch[3], ID[16]), set
         # when the image was built: read from the header because hashing a multi-GB image at
         # every task's start costs minutes, and Apptainer has no cheaper digest of its own.
-        lines.append(f"export LABRUN_CONTAINER_IMAGE={q(image)}")
+        lines.append(f"export {IMAGE_ENV}={q(image)}")
         if "://" not in image:
             lines += [f"if [ -f {q(image)} ] && "
                       f"[ \"$(head -c 41 {q(image)} | tail -c 9)\" = SIF_MAGIC ]; then",
                       f"  id=$(od -An -tx1 -j48 -N16 {q(image)} | tr -d ' \\n')",
-                      "  export LABRUN_CONTAINER_DIGEST=\"sif-id:${id:0:8}-${id:8:4}-"
+                      f"  export {DIGEST_ENV}=\"sif-id:${{id:0:8}}-${{id:8:4}}-"
                       "${id:12:4}-${id:16:4}-${id:20:12}\"",
                       "fi"]
         run = ["exec apptainer exec", *(["--nv"] if container.gpus else []),

@@ -31,8 +31,7 @@ from labrun.core.secrets import redact
 # The files of a run's provenance/ folder (RunDir.provenance_dir).
 GIT, GIT_DIFF, PACKAGES = "git.json", "git.diff", "packages.txt"
 ENVIRONMENT, COMMAND = "environment.json", "command.json"
-# Set inside a cluster.container job by its task script (launch/container.py; not imported:
-# runs/ is below launch/).
+# Set inside a cluster.container job by its task script or batch script (launch/container.py).
 CONTAINER_IMAGE_ENV, CONTAINER_DIGEST_ENV = "LABRUN_CONTAINER_IMAGE", "LABRUN_CONTAINER_DIGEST"
 
 
