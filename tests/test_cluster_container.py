@@ -17,6 +17,7 @@ import pytest
 
 from conftest import (
     FAST,
+    LABRUN,
     PODMAN_CONF,
     PODMAN_IMAGE,
     PROJECT,
@@ -100,3 +101,20 @@ def test_a_missing_image_fails_the_job_in_one_line_the_table_shows(tmp_path):
     # The sweep's last line (the table shows the same error, folded into its column).
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: job 0 failed: SLURM state FAILED: " + line), last
+
+
+def test_a_job_that_fails_before_python_shows_the_runtimes_error_in_status(tmp_path):
+    """The runtime's own words (podman cannot resolve the GPU device name, so no Python ever
+    starts), in `labrun status` of a detached sweep, not only "SLURM state FAILED"."""
+    result = container_sweep(tmp_path, "cluster.detach=true",
+                             'cluster.container.gpu_device="nvidia.com/gpu={index}"')
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    waited = subprocess.run([LABRUN, "status", "--wait", str(tmp_path)], capture_output=True,
+                            text=True, timeout=300, cwd=PROJECT)
+    assert waited.returncode == 1, waited.stdout + waited.stderr
+    status = subprocess.run([LABRUN, "status", "--json", str(tmp_path)], capture_output=True,
+                            text=True, timeout=120, cwd=PROJECT)
+    [job] = json.loads(status.stdout)["jobs"]
+    assert job["state"] == "failed", job
+    assert job["error"] == ("SLURM state FAILED: Error: setting up CDI devices: unresolvable "
+                            "CDI devices nvidia.com/gpu=0"), job

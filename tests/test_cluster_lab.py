@@ -83,6 +83,16 @@ def sweep(sweep_dir: Path, *overrides: str, env: dict[str, str] | None = None
     return proc
 
 
+def single_run(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`python train.py cluster=lab ...` without -m, in the background: submitted as one
+    job, which it follows (launch/cluster_run.py)."""
+    args = [PYTHON, "train.py", *LAB, *FAST, *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(args, cwd=PROJECT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    SWEEPS.append((run_dir, proc))
+    return proc
+
+
 OUTPUTS: dict[int, str] = {}
 
 
@@ -231,11 +241,12 @@ class NodeFailure(Trigger):
 
 @dataclass
 class ContainerRequeue(Trigger):
-    """The preemption's deterministic run again, its task in a podman container
-    (conftest.in_podman), on whichever of node1 and node2 the node failure spares: it starts
-    once that job has. While it trains, its run-folder lock is judged as another process on
-    its node would judge it; once it has checkpointed at step 10, it gets SLURM's USR2, which
-    inside the container checkpoints and requeues it (launch/container.py's relay)."""
+    """The preemption's deterministic run again as a single run (no -m: submitted as one job,
+    launch/cluster_run.py), its task in a podman container (conftest.in_podman), on whichever
+    of node1 and node2 the node failure spares: it starts once that job has. While it trains,
+    its run-folder lock is judged as another process on its node would judge it; once it has
+    checkpointed at step 10, it gets SLURM's USR2, which inside the container checkpoints and
+    requeues it (launch/container.py's relay)."""
     sweep_dir: Path
     failure: NodeFailure
     proc: subprocess.Popen | None = None
@@ -255,10 +266,10 @@ class ContainerRequeue(Trigger):
         wait_for(failing, self.failure.proc)
         self.node = "node2" if environment(failing.parent.parent)["hostname"] == "node1" \
             else "node1"
-        self.proc = sweep(self.sweep_dir, *DETERMINISTIC, *in_podman(),
-                          f"+cluster.extra_sbatch.nodelist={self.node}",
-                          "cluster.cpus_per_task=1")
-        run = self.sweep_dir / "0"
+        self.proc = single_run(self.sweep_dir, *DETERMINISTIC, *in_podman(),
+                               f"+cluster.extra_sbatch.nodelist={self.node}",
+                               "cluster.cpus_per_task=1")
+        run = self.sweep_dir  # a single run: its folder is the run folder
         wait_for(run / "checkpoints" / "step-00000010.pt", self.proc)
         # The PID in the lock is the host's (podman --pid=host): on the job's node, which
         # shares this machine's PID namespace, that process is the job's Python, live.
@@ -351,13 +362,16 @@ def test_a_failed_node_requeues_its_job_which_resumes_elsewhere_losing_nothing(s
     failure.restore()
 
 
-def test_usr2_inside_a_container_requeues_resumes_and_matches_its_twin(scenarios):
+def test_a_single_run_in_a_container_requeues_on_usr2_resumes_and_matches_its_twin(scenarios):
     in_container: ContainerRequeue = scenarios["container"]
     twin = scenarios["preemption"].sweep_dir / "0"  # the same deterministic run, no container
     in_container.join()
     output = finish(in_container.proc)
     assert in_container.proc.returncode == 0, output
-    run = in_container.sweep_dir / "0"
+    run = in_container.sweep_dir
+    # Followed from this terminal through the requeue: queued, running, the run's lines.
+    assert "labrun: submitted SLURM job" in output and "RUNNING on node" in output, output
+    assert "SIGUSR2" in output and "completed: best val/acc" in output, output
     recorded = environment(run)
     assert (recorded["hostname"], recorded["container"]) == (in_container.node, "podman")
     # The lock named the job's own Python by its host PID, and its node judged it live.
@@ -423,9 +437,10 @@ def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenar
     proc = sweep(sweep_dir, *two_nodes, "trainer.max_epochs=2", "trainer.deterministic=true",
                  "checkpoint.every_n_steps=5", "+variant=plain,requeued,failing",
                  env={"PYTHONPATH": str(inject)})
-    # Side by side: DDP_SHORT on two nodes, and the same global batch in one local process
-    # (with the jobs' one thread), compared within conftest's measured tolerances.
-    short = sweep(tmp_path / "short", *two_nodes, *DDP_SHORT)
+    # Side by side: DDP_SHORT on two nodes, a single run (no -m: one job), and the same
+    # global batch in one local process (with the jobs' one thread), compared within
+    # conftest's measured tolerances.
+    short = single_run(tmp_path / "short", *two_nodes, *DDP_SHORT)
     in_image = sweep(tmp_path / "in_image", *two_nodes, *DDP_SHORT, *in_podman())
     # The requeue, mid-training (step 10 of 44), before keep_last rotates that checkpoint away.
     wait_for(sweep_dir / "1" / "checkpoints" / "step-00000010.pt", proc)
@@ -434,7 +449,7 @@ def test_two_node_ddp_matches_one_process_and_resumes_bit_exact(tmp_path, scenar
     one = ddp_short_one_process
     short_output = finish(short)
     assert short.returncode == 0, short_output
-    two = tmp_path / "short" / "0"
+    two = tmp_path / "short"
     difference = max_difference(final_weights(two), final_weights(one))
     loss_gap = abs(read_summary(two)["val/loss"] - read_summary(one)["val/loss"])
     print(f"two nodes vs one process: weights {difference:.2e}, val/loss {loss_gap:.2e}")

@@ -436,3 +436,27 @@ def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_i
     assert ("study train: 3 trials wanted; 3 finished, 0 running, 0 pruned, 0 failed"
             in status.stdout), status.stdout
     assert f"controller: SLURM job {controller}, completed" in status.stdout, status.stdout
+    # Its end is in jobs.json too, for when SLURM has forgotten the job.
+    assert manifest(tmp_path)["controller"]["state"] == "completed"
+
+
+def test_a_held_sweep_larger_than_the_screen_is_summed_up_and_cancelled_in_ranges(tmp_path):
+    """Twelve held jobs on a ten-row screen: `labrun status` counts them by state instead of
+    listing them, `labrun cancel` names them as one range, `--all` lists every row."""
+    result = run_sweep(tmp_path, "cluster.detach=true", "+cluster.extra_sbatch.hold=true",
+                       "+variant=range(0,12)")
+    assert result.returncode == 0, result.stdout + result.stderr
+    small_screen = {**os.environ, "LINES": "20"}
+    try:
+        status = subprocess.run([LABRUN, "status", str(tmp_path)], capture_output=True,
+                                text=True, timeout=120, env=small_screen)
+        assert status.stdout.splitlines()[0] == "12 jobs: 12 pending", status.stdout
+        assert "┃ job" not in status.stdout  # nothing needs a look: no rows at all
+        assert f"every row: labrun status {tmp_path} --all" in status.stdout
+    finally:
+        cancel = subprocess.run([LABRUN, "cancel", str(tmp_path)], capture_output=True,
+                                text=True, timeout=120)
+    assert cancel.stdout.strip() == f"cancelled 12 jobs of {tmp_path}: 0-11", cancel.stdout
+    every = subprocess.run([LABRUN, "status", "--all", str(tmp_path)], capture_output=True,
+                           text=True, timeout=120, env=small_screen).stdout
+    assert sum(1 for line in every.splitlines() if "│ cancelled" in line) == 12, every

@@ -4,6 +4,7 @@ ends in one line naming the key and the fix (exit 2, no traceback)."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import PROJECT, run_train
+from conftest import PROJECT, PYTHON, run_train
 from labrun.cli.hydra_app import user_error_message
 from labrun.config import schema as config
 from labrun.config import validation
@@ -90,6 +91,17 @@ MISTAKES = {
     "missing resume file": (["checkpoint.resume=/no/ckpt.pt"], ["checkpoint.resume"]),
     "missing init_from file": (["model.init_from=/no/ckpt.pt"], ["model.init_from"]),
     "unknown nan policy": (["trainer.nan_policy=ignore"], ["trainer.nan_policy"]),
+    "unparsable override": (["optimizer.lr=[1,"],
+                            ["cannot read the override 'optimizer.lr=[1,'", "key=value"]),
+    # What sbatch would be handed: refused here, before a run or a sweep submits anything.
+    **{f"cluster {override}": (["cluster=lab", override], [override, bound])
+       for override, bound in (
+           ("cluster.array_parallelism=0", "1 or more"), ("cluster.cpus_per_task=0", "1 or more"),
+           ("cluster.timeout_min=0", "1 or more"), ("cluster.nodes=0", "1 or more"),
+           ("cluster.tasks_per_node=0", "1 or more"), ("cluster.mem_gb=0", "or null"),
+           ("cluster.controller.mem_gb=-2", "or null"),
+           ("cluster.max_num_timeout=-1", "0 or more"),
+           ("cluster.signal_delay_s=-5", "0 or more"))},
 }
 
 
@@ -99,6 +111,25 @@ def test_config_mistake_gives_one_clear_line(mistake, tmp_path):
     message = error_line(overrides, tmp_path)
     for part in expected:
         assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_the_cluster_keys_bounds_themselves_pass(composed):
+    validation.validate(composed(
+        "cluster=lab", "cluster.array_parallelism=1", "cluster.cpus_per_task=1",
+        "cluster.timeout_min=1", "cluster.mem_gb=null", "cluster.controller.mem_gb=null",
+        "cluster.max_num_timeout=0", "cluster.signal_delay_s=0"))
+
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_an_unparsable_override_is_one_line_with_or_without_m(sweep, tmp_path):
+    folder = f"hydra.sweep.dir={tmp_path}/sweep" if sweep else f"hydra.run.dir={tmp_path}/run"
+    result = subprocess.run([PYTHON, "train.py", *(["-m"] if sweep else []), "optimizer.lr=1,,2",
+                             folder], cwd=PROJECT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "error: cannot read the override 'optimizer.lr=1,,2' (extraneous input ','); write "
+        "key=value, key=a,b,c to sweep (with -m), and quote a value that holds spaces, commas "
+        "or brackets: 'key=\"a b\"'")
 
 
 @pytest.mark.parametrize("overrides", [["optimizer.lr=abc"], ["model=resnet5"],

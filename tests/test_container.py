@@ -15,15 +15,14 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import PROJECT
 from labrun.config import facts, validation
+from labrun.core.environment import Environment
 from labrun.core.errors import ConfigError
 from labrun.launch import container
 
@@ -193,19 +192,24 @@ def test_inside_the_image_scontrol_relays_a_requeue_to_the_host_and_refuses_the_
     assert "\n".join(container.teardown_lines()).count("scontrol requeue") == 1
 
 
-def test_a_run_without_m_refuses_the_container_it_would_not_run_in(composed, tmp_path):
+def test_a_run_without_m_goes_into_the_image_and_refuses_only_an_allocation_outside_it(
+        composed):
+    """Without -m a cluster run is submitted into cluster.container's image (test_cluster_lab's
+    container scenario trains one): check_single_run lets it through in labrun's own job and
+    where no allocation is, and refuses it only inside a person's allocation, outside any
+    image, where it would train here."""
     config = composed(*LAB, "cluster.container.runtime=podman", "cluster.container.image=lab:1")
-    validation.validate(config)  # a sweep's jobs run in it
+    validation.validate(config)
+    assert validation.check_single_run(config, Environment()) is None  # it is submitted
+    in_its_job = Environment(scheduler="slurm", job_id="7", submitted_by_labrun=True)
+    assert validation.check_single_run(config, in_its_job) is None
+    salloc = Environment(scheduler="slurm", job_id="7", job_tasks=1, job_gpus_on_node=1)
     with pytest.raises(ConfigError) as caught:
-        validation.check_single_run(config)
+        validation.check_single_run(config, salloc)
     assert str(caught.value) == (
-        "cluster.container.runtime=podman runs a sweep's SLURM jobs in lab:1, but without -m "
-        "this run would train here, outside the image; add -m (a sweep of one job), or "
+        "cluster.container.runtime=podman: inside slurm job 7 this run would train here, "
+        "outside lab:1; run it outside the allocation (it is submitted into the image), or "
         "cluster.container.runtime=null to train here")
-    validation.check_single_run(composed(*LAB))  # no container: it trains here
-    # train.py asks it of a run (not of a sweep's jobs), before torch or data load.
-    result = subprocess.run([sys.executable, "train.py", *LAB, "cluster.container.runtime=podman",
-                             "cluster.container.image=lab:1", f"hydra.run.dir={tmp_path}/run"],
-                            cwd=PROJECT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {caught.value}"
+    in_the_image = Environment(scheduler="slurm", job_id="7", job_tasks=1, job_gpus_on_node=1,
+                               container="podman")
+    assert "training in this allocation" in validation.check_single_run(config, in_the_image)

@@ -278,3 +278,33 @@ def test_a_folder_that_is_neither_is_one_line(tmp_path):
                              f"run folder (no .hydra/ or summary.json); give "
                              f"multirun/DATE/TIME-XXXX, one of its job folders, or "
                              f"outputs/DATE/TIME-XXXX\n")
+
+
+def test_more_jobs_than_a_screen_holds_are_summed_up_and_all_shows_every_row(
+        tmp_path, capsys, monkeypatch):
+    """A sweep larger than the screen: the counts by state, then the rows that need a look
+    (failed, running, the best completed), and `--all` for every row."""
+    from labrun.runs.sweepdir import Job, SweepDir
+
+    jobs = []
+    for num in range(30):
+        run = write_run(tmp_path / str(num), [train_point(10, 0, 900.0, 0.01)],
+                        status="failed" if num in (4, 17) else "completed")
+        summary = json.loads((run / "summary.json").read_text())
+        summary["best/val/acc"] = num / 100  # job 29 is the best
+        (run / "summary.json").write_text(json.dumps({**summary, "mode": "max"}))
+        jobs.append(Job(num=num, overrides=[f"optimizer.lr={num}"], dir=str(run),
+                        job_id=str(1000 + num), state="completed", log=str(run / "log")))
+    SweepDir(tmp_path).write_jobs("local", jobs)
+    monkeypatch.setenv("LINES", "20")  # a screen of 10 rows
+    shown = labrun_status(capsys, tmp_path)
+    assert shown.splitlines()[0] == "30 jobs: 28 completed, 2 failed"
+    rows = [int(line.split("│")[1]) for line in shown.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip().isdigit()]
+    # The failed jobs, and the ten best of the completed ones (by val/acc, max).
+    assert rows == [4, 17, *range(20, 30)]
+    assert f"12 of 30 jobs shown (failed, running, the best); every row: labrun status " \
+           f"{tmp_path} --all" in shown
+    every = labrun_status(capsys, tmp_path, "--all")
+    assert "30 jobs:" not in every
+    assert sum(1 for line in every.splitlines() if line.startswith("│")) == 30

@@ -4,8 +4,11 @@ can fix (a config key, a path, a file); a full traceback for everything else.
 Hydra composes and runs the app as its docs show; only its error printing is replaced. Setting
 HYDRA_FULL_ERROR=1 shows Hydra's full traceback, as usual.
 
-RunLockCallback (conf/train.yaml, hydra.callbacks) takes the run folder's lock (runs/lock.py)
-for a single run before Hydra writes anything there.
+train_task is what `python train.py` runs for each run: validation, then training. Two Hydra
+callbacks (conf/train.yaml, hydra.callbacks) act on a single run before Hydra writes anything in
+its folder: ClusterRunCallback sends a run on a SLURM cluster config to the cluster
+(launch/cluster_run.py) and exits with its outcome; RunLockCallback takes the run folder's lock
+(runs/lock.py) for a run that trains here.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
 from hydra.experimental.callback import Callback
@@ -51,6 +55,29 @@ def _print_if_expected(error: BaseException) -> int | None:
         return None
     print(f"error: {message}", file=sys.stderr)
     return EXIT_USER_ERROR
+
+
+def train_task(cfg) -> float | None:
+    """One run from its composed config: validated, then trained; the best value of
+    checkpoint.monitor (a sweeper's objective). Hydra's task function, in this process or in a
+    cluster job."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from labrun.config import validation
+    from labrun.core import environment
+
+    with exit_on_user_error():
+        # A mistake in the config is one line before torch loads (seconds of imports); the
+        # job is imported only then, which also keeps `--help` and `--cfg` fast.
+        validation.validate(cfg)
+        if HydraConfig.get().mode == RunMode.RUN:
+            where = validation.check_single_run(cfg, environment.read())
+            if where:
+                print(f"labrun: {where}", flush=True)
+        from labrun.train.job import train
+
+        return train(cfg)
 
 
 def run_hydra_app(main: Callable[[], object]) -> None:
@@ -102,3 +129,33 @@ class RunLockCallback(Callback):
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+class ClusterRunCallback(Callback):
+    """A run without -m on a SLURM cluster config goes to the cluster: in on_run_start, before
+    Hydra writes anything in the run folder, it is validated, submitted (or attached to, where
+    its folder records a live job) and followed (launch/cluster_run.py); this process then
+    exits with the run's outcome and Hydra's run_job never starts here. In the job, and for
+    cluster=local, it does nothing."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        from omegaconf import OmegaConf
+
+        from labrun.config import validation
+        from labrun.launch import cluster_run
+
+        if not cluster_run.goes_to_cluster(config):
+            return
+        # Hydra turns a callback's exception into a warning and runs the job anyway, here:
+        # every way out of this method is SystemExit, a bug's with its traceback.
+        try:
+            with exit_on_user_error():
+                validation.validate(OmegaConf.masked_copy(config, [k for k in config
+                                                                   if k != "hydra"]))
+                code = cluster_run.run(config, task_function=train_task)
+        except SystemExit:
+            raise
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.exit(code)

@@ -8,7 +8,11 @@ from __future__ import annotations
 import difflib
 import re
 
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import (
+    ConfigCompositionException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -22,6 +26,8 @@ def user_error_message(error: BaseException) -> str | None:
         return one_line(error)
     if isinstance(error, MissingConfigException):
         return _missing_option(error)
+    if isinstance(error, OverrideParseException):
+        return _unparsable_override(error)
     if isinstance(error, ConfigCompositionException):
         # Hydra chains OmegaConf's error as the cause when an override fails, but only as the
         # context when a config file does not fit its schema ("In 'local/default': ...").
@@ -38,6 +44,18 @@ def user_error_message(error: BaseException) -> str | None:
     if isinstance(cause, LabrunError):  # wrapped by Hydra's instantiate, for example
         return str(cause)
     return None
+
+
+def _unparsable_override(error: OverrideParseException) -> str:
+    """The override Hydra's grammar could not read, where it stumbled, and the forms it takes."""
+    lines = [line for line in str(error.message).splitlines() if line.strip()]
+    # Hydra's message: "Error parsing override 'X'" (a sweep's) then ANTLR's words, or these
+    # alone; the list of tokens ANTLR expected says nothing to a person.
+    why = next((line for line in lines if not line.startswith(("Error parsing", "See "))), "")
+    why = why.split(" expecting ")[0]
+    return (f"cannot read the override {error.override!r}" + (f" ({why})" if why else "")
+            + "; write key=value, key=a,b,c to sweep (with -m), and quote a value that "
+              "holds spaces, commas or brackets: 'key=\"a b\"'")
 
 
 def _missing_option(error: MissingConfigException) -> str:

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from labrun.config.fields import collect
 from labrun.config.keys import check_keys
 from labrun.config.schema import SCHEMAS
+from labrun.core.environment import Environment
 from labrun.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"dataset.decode=cuda puts batches on the GPU, but "
                           f"trainer.accelerator={cfg.trainer.accelerator}; use "
                           f"dataset.decode=cpu or workers")
-    _check_container(cfg)
+    check_cluster(cfg)
     fraction = cfg.dataset.val_fraction
     if not 0 <= fraction < 1:
         raise ConfigError(f"dataset.val_fraction={fraction} must be in [0, 1)")
@@ -101,6 +102,34 @@ def validate(cfg: DictConfig) -> None:
     _validate_monitor(cfg)
 
 
+# What SLURM would be handed (sbatch's --array %N, -c, -t, -N, --ntasks-per-node, --mem; submitit's
+# requeue count and USR2 lead): keys of a SLURM cluster config, absent from cluster=local.
+CLUSTER_AT_LEAST_ONE = ("cluster.array_parallelism", "cluster.cpus_per_task",
+                        "cluster.timeout_min", "cluster.nodes", "cluster.tasks_per_node",
+                        "cluster.controller.cpus_per_task", "cluster.controller.timeout_min")
+CLUSTER_POSITIVE_OR_NULL = ("cluster.mem_gb", "cluster.controller.mem_gb")
+CLUSTER_NON_NEGATIVE = ("cluster.max_num_timeout", "cluster.signal_delay_s")
+
+
+def check_cluster(cfg: DictConfig) -> None:
+    """The cluster keys' ranges and the container, before anything is submitted: run by
+    validate() and, for each job of a sweep, by launch/sweep.plan."""
+    for dotted in CLUSTER_AT_LEAST_ONE:
+        value = OmegaConf.select(cfg, dotted, default=None)
+        if value is not None and value < 1:
+            raise ConfigError(f"{dotted}={value} must be 1 or more")
+    for dotted in CLUSTER_POSITIVE_OR_NULL:
+        value = OmegaConf.select(cfg, dotted, default=None)
+        if value is not None and not value > 0:
+            raise ConfigError(f"{dotted}={value} must be greater than 0, or null for the "
+                              f"partition's default")
+    for dotted in CLUSTER_NON_NEGATIVE:
+        value = OmegaConf.select(cfg, dotted, default=None)
+        if value is not None and value < 0:
+            raise ConfigError(f"{dotted}={value} must be 0 or more")
+    _check_container(cfg)
+
+
 def _check_container(cfg: DictConfig) -> None:
     container = OmegaConf.select(cfg, "cluster.container", default=None)
     if container is None or container.runtime is None:
@@ -114,15 +143,38 @@ def _check_container(cfg: DictConfig) -> None:
                           f"(nvidia.com/gpu={{index}}, /dev/nvidia{{index}})")
 
 
-def check_single_run(cfg: DictConfig) -> None:
-    """What a run without -m cannot do: it trains in this process, here, so a
-    cluster.container would not hold (the image affects results; config/fields.py)."""
+def check_single_run(cfg: DictConfig, here: Environment) -> str | None:
+    """A run without -m that trains in this process (`here`): on this machine (cluster=local),
+    in the job labrun submitted it as, or inside a person's own SLURM allocation (salloc, srun
+    --pty), where it trains in that allocation instead of submitting a job from a job. There
+    it returns the line that says so, or refuses an allocation smaller than the run asks and
+    a cluster.container it would not run in (the image affects results; config/fields.py)."""
+    if here.scheduler is None or here.submitted_by_labrun:
+        return None  # no allocation, or the one labrun asked for (image and resources)
+    trainer, job = cfg.trainer, f"{here.scheduler} job {here.job_id}"
+    processes = trainer.devices * trainer.num_nodes
+    asked = (f"trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} "
+             f"needs {processes}")
+    if here.num_nodes < trainer.num_nodes:
+        raise ConfigError(f"inside {job}, which has {here.num_nodes} node(s): "
+                          f"trainer.num_nodes={trainer.num_nodes}; ask the allocation for "
+                          f"{trainer.num_nodes} nodes, or run outside it to submit a job")
+    if here.job_tasks is not None and here.job_tasks < processes:
+        raise ConfigError(f"inside {job}, which has {here.job_tasks} task(s): {asked}; ask "
+                          f"the allocation for --ntasks={processes}, or lower trainer.devices")
+    if OmegaConf.select(cfg, "cluster.gpus_per_node", default=None) and (
+            here.job_gpus_on_node * here.num_nodes < processes):
+        raise ConfigError(f"inside {job}, which has {here.job_gpus_on_node} GPU(s) a node: "
+                          f"{asked} GPUs; ask the allocation for --gpus-per-node="
+                          f"{trainer.devices}, or lower trainer.devices")
     container = OmegaConf.select(cfg, "cluster.container", default=None)
-    if container is not None and container.runtime is not None:
-        raise ConfigError(f"cluster.container.runtime={container.runtime} runs a sweep's SLURM "
-                          f"jobs in {container.image}, but without -m this run would train "
-                          f"here, outside the image; add -m (a sweep of one job), or "
+    if container is not None and container.runtime is not None and here.container is None:
+        raise ConfigError(f"cluster.container.runtime={container.runtime}: inside {job} this "
+                          f"run would train here, outside {container.image}; run it outside "
+                          f"the allocation (it is submitted into the image), or "
                           f"cluster.container.runtime=null to train here")
+    return (f"inside {job} ({here.num_nodes} node(s)): training in this allocation, not "
+            f"submitting a job")
 
 
 def check_checkpoint_monitor(cfg: DictConfig) -> None:

@@ -23,6 +23,8 @@ from labrun.core import scheduler
 
 # torchrun's rendezvous, which torch.distributed's env:// initialisation reads.
 MASTER_ADDR, MASTER_PORT = "MASTER_ADDR", "MASTER_PORT"
+# submitit's mark in the jobs it starts (its executor's name).
+SUBMITIT_EXECUTOR = "SUBMITIT_EXECUTOR"
 # Where nobody set MASTER_PORT, a scheduler's job takes a port derived from its id, so that
 # two jobs sharing a node never pick the same one.
 PORT_BASE, PORT_SPAN = 20000, 20000
@@ -56,6 +58,12 @@ class Environment:
     container: str | None = None  # docker, podman, apptainer, kubernetes...; None: none seen
     # The scheduler's variables a run records in provenance (its ids, never anything else).
     scheduler_variables: Mapping[str, str] = field(default_factory=dict)
+    # The job's tasks in all (None: unknown) and its GPUs on this node (0: none given).
+    job_tasks: int | None = None
+    job_gpus_on_node: int = 0
+    # Whether submitit started this process (a job labrun submitted: a sweep's, or a run's
+    # that `python train.py cluster=lab` sent), rather than a person in their allocation.
+    submitted_by_labrun: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -99,7 +107,9 @@ def read(env: Mapping[str, str] | None = None, root: str | Path = "/") -> Enviro
         job_id=job.job_id if job else None, queue_id=job.queue_id if job else "",
         restart_count=job.restart_count if job else 0, launch_id=launch,
         master_addr=master_addr, master_port=master_port, container=container(env, root),
-        scheduler_variables=dict(job.recorded) if job else {})
+        scheduler_variables=dict(job.recorded) if job else {},
+        job_tasks=job.tasks if job else None, job_gpus_on_node=job.gpus_on_node if job else 0,
+        submitted_by_labrun=bool(env.get(SUBMITIT_EXECUTOR)))
 
 
 def _torchrun_ranks(env: Mapping[str, str]) -> tuple[int, int, int] | None:

@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import pickle
-import re
 import shlex
 import shutil
 import time
@@ -46,7 +45,7 @@ from labrun.launch.slurm_limits import (
     split,
     throttle_shares,
 )
-from labrun.runs.sweepdir import Job, submitit_result
+from labrun.runs.sweepdir import Job, SweepDir, ended_without_result, submitit_result
 
 POLL_S = 2.0
 # A job that neither squeue nor sacct lists for this long has ended without a trace (a cluster
@@ -76,6 +75,7 @@ class SlurmLauncher(sweep.SweepLauncher):
     # -- in the submitting process -------------------------------------------------------------
 
     CAN_DETACH = True
+    SUBMITS_SINGLE_RUNS = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -238,7 +238,7 @@ class SlurmLauncher(sweep.SweepLauncher):
             # already a snapshot, and the sweep folder absolute.
             handle = executor.submit(StudyController(
                 [*argv, "cluster.detach=false", "cluster.snapshot=false",
-                 f"hydra.sweep.dir={sweep_dir}"], os.getcwd()))
+                 f"hydra.sweep.dir={sweep_dir}"], os.getcwd(), sweep_dir))
         return {"job_id": handle.job_id, "log": str(handle.paths.stdout),
                 "submitted_at": time.time(), "snapshot": str(snapshot or "")}
 
@@ -317,8 +317,8 @@ class StudyController:
     time limit, within cluster.max_num_timeout), it runs the command again, which continues
     the study and attaches to the trials in flight (launch/optuna_sweeper.py)."""
 
-    def __init__(self, argv: list[str], cwd: str):
-        self.argv, self.cwd = argv, cwd
+    def __init__(self, argv: list[str], cwd: str, sweep_dir: Path):
+        self.argv, self.cwd, self.sweep_dir = argv, cwd, sweep_dir
 
     def __call__(self) -> int:
         import subprocess
@@ -327,6 +327,9 @@ class StudyController:
         code = subprocess.run([sys.executable, "train.py", "-m", *self.argv], cwd=self.cwd,
                               env=SlurmScheduler.outside_job(os.environ),
                               check=False).returncode
+        # Its end, in jobs.json too: what `labrun status` says once SLURM has forgotten it.
+        SweepDir(self.sweep_dir).update_controller(
+            state="completed" if code == 0 else "failed", ended_at=time.time())
         if code != 0:
             raise LabrunError(f"the study's sweeper exited with code {code}; its output is in "
                               f"this job's log")
@@ -341,12 +344,10 @@ class StudyController:
 
 def failure_reason(job: Job, state: str) -> str | None:
     """Why a job that ended in SLURM `state` failed: the exception its submitit result holds,
-    else the state and the last exception line of its stderr; None when it returned well."""
+    else the state and the last error line of its stderr; None when it returned well."""
     result = submitit_result(job)
-    if result is None:  # no result: killed, cancelled, timed out
-        # job.log is submitit's stdout, ID_0_log.out; its stderr is ID_0_log.err beside it.
-        stderr = Path(job.log).with_suffix(".err") if job.log else None
-        return f"SLURM state {state}{last_exception(stderr) if stderr else ''}"
+    if result is None:  # no result: killed, cancelled, timed out, or failed before Python
+        return ended_without_result(job, state)
     outcome, value = result
     if outcome == "error":  # the traceback submitit caught, as text
         return one_line(str(value).strip().splitlines()[-1])[:200]
@@ -354,16 +355,6 @@ def failure_reason(job: Job, state: str) -> str | None:
     if isinstance(failure, BaseException):
         return f"{type(failure).__name__}: {one_line(failure)[:200]}"
     return None
-
-
-def last_exception(stderr: Path) -> str:
-    """`: ValueError: ...`, the last exception line a job's stderr shows (or nothing)."""
-    if not stderr.is_file():
-        return ""
-    pattern = re.compile(r"^([\w.]+(Error|Exception|Interrupt)|error): ")
-    lines = [line for line in stderr.read_text(errors="replace").splitlines()
-             if pattern.match(line)]
-    return f": {lines[-1][:200]}" if lines else ""
 
 
 def executor_parameters(cluster: DictConfig, config: DictConfig, snapshot: Path | None

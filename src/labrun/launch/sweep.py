@@ -55,6 +55,9 @@ class SweepLauncher(Launcher):
     # of long jobs costs its scheduler a query every POLL_MAX_S seconds.
     POLL_MAX_S: ClassVar[float | None] = None  # None: POLL_S always
     CAN_DETACH: ClassVar[bool] = False  # whether cluster.detach=true returns after submission
+    # Whether a run without -m goes through this launcher too (launch/cluster_run.py): on a
+    # cluster, where the run must not train on the machine it was typed on.
+    SUBMITS_SINGLE_RUNS: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.config: DictConfig | None = None
@@ -253,6 +256,7 @@ def plan(hydra_context: HydraContext, master: DictConfig,
         # Each job's own monitor (a sweep may vary it), before any job is submitted: a typo
         # would otherwise train every job to the end for nothing.
         validation.check_checkpoint_monitor(cfg)
+        validation.check_cluster(cfg)
         with open_dict(cfg.hydra.job):
             cfg.hydra.job.num = num
         if cfg.checkpoint.on_finish == "auto":  # a sweep's jobs keep best.pt and last.pt

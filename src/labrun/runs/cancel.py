@@ -1,6 +1,8 @@
-"""`labrun cancel SWEEP_DIR`: stop a sweep's waiting and running jobs from any terminal, and
-record it in jobs.json. Nothing else cancels a sweep's jobs but Ctrl-C in the terminal of a
-launcher that waits for them: SIGHUP (the terminal gone) never does.
+"""`labrun cancel SWEEP_DIR|RUN_DIR`: stop a sweep's waiting and running jobs from any terminal,
+and record it in jobs.json; a run folder's run likewise (a run sent to a cluster records its
+job there too; a run training on this machine gets SIGTERM). Nothing else cancels a sweep's
+jobs but Ctrl-C in the terminal of a launcher that waits for them: SIGHUP (the terminal gone)
+never does.
 
 A cancelled job stops as a preempted one does (SIGTERM: it saves a checkpoint); its row in
 jobs.json gets `cancelled_at`, `labrun status` shows it as cancelled, and running the sweep's
@@ -13,13 +15,16 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 from labrun.core import scheduler
+from labrun.core.errors import LabrunError
 from labrun.core.scheduler import LIVE_STATES, LocalScheduler
 from labrun.runs import lock as run_lock
-from labrun.runs.sweepdir import ENDED, Job, SweepDir
+from labrun.runs.rundir import RunDir
+from labrun.runs.sweepdir import Job, SweepDir, has_ended
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,7 @@ def stop(job: Job) -> None:
 def not_ended(backend: str, scheduler_path: str | None, jobs: list[Job]) -> list[Job]:
     """The jobs that wait or run now: their scheduler says so, or their run folder's lock."""
     candidates = [job for job in jobs if job.job_id
-                  and job.run_dir.read_summary().get("status") not in ENDED]
+                  and not has_ended(job, job.run_dir.read_summary())]
     states = scheduler.named(backend, scheduler_path).job_states(
         [job.job_id for job in candidates]) if candidates else {}
     return [job for job in candidates if states.get(job.job_id) in LIVE_STATES
@@ -49,7 +54,10 @@ def not_ended(backend: str, scheduler_path: str | None, jobs: list[Job]) -> list
 
 def cancel(sweep_dir: Path) -> list[Job]:
     """Cancel the sweep's jobs that have not ended, a detached study's controller first (it
-    would submit more trials); return the jobs cancelled (recorded in jobs.json)."""
+    would submit more trials); return the jobs cancelled (recorded in jobs.json). A run
+    folder without jobs.json: its run, where it trains on this machine."""
+    if not SweepDir(sweep_dir).jobs_path.is_file():
+        return cancel_run_here(sweep_dir.resolve())
     sweep = SweepDir(sweep_dir.resolve())
     manifest = sweep.read_jobs()
     backend, jobs = manifest["backend"], manifest["jobs"]
@@ -77,3 +85,23 @@ def cancel(sweep_dir: Path) -> list[Job]:
     for job in live:
         log.info("job %d (%s): cancelled", job.num, job.job_id)
     return live
+
+
+def cancel_run_here(run_dir: Path) -> list[Job]:
+    """SIGTERM to the process training `run_dir` on this machine (it saves a checkpoint and
+    ends "interrupted"); [] when none does."""
+    if not RunDir(run_dir).is_run():
+        raise LabrunError(f"{run_dir} is neither a sweep folder (no jobs.json) nor a run folder "
+                          f"(no .hydra/ or summary.json); give multirun/DATE/TIME-XXXX or "
+                          f"outputs/DATE/TIME-XXXX")
+    holder = run_lock.live_holder(RunDir(run_dir).lock_path)
+    if holder is None:
+        return []
+    if holder.host != socket.gethostname():
+        raise LabrunError(f"{run_dir} is trained by {holder.who()}, not on this machine; "
+                          f"cancel it there")
+    job = Job(num=0, overrides=RunDir(run_dir).try_overrides() or [], dir=str(run_dir),
+              job_id=str(holder.pid), state="cancelled", cancelled_at=time.time())
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(holder.pid, signal.SIGTERM)
+    return [job]

@@ -19,6 +19,7 @@ from labrun.core.errors import LabrunError
 from labrun.core.project import PROJECT_DIR
 from labrun.runs import lock, provenance
 from labrun.runs.rundir import RunDir
+from labrun.runs.sweepdir import SweepDir
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +81,13 @@ def resume(run_dir: Path, extra: list[str]) -> int:
     """Continue the run in its own folder; the exit code of the training process."""
     run_dir = run_dir.resolve()
     # Refused here, before starting Python again, when a live process trains in the folder;
-    # train.py takes the lock itself (a stale one is taken over there, in one line).
+    # train.py takes the lock itself (a stale one is taken over there, in one line). A run
+    # sent to a cluster (its folder records the job: jobs.json) is train.py's to judge: it
+    # attaches to the job still holding the folder, or submits it again.
     path = RunDir(run_dir).lock_path
     holder = lock.read_holder(path)
-    if holder is not None and lock.stale_reason(holder, path, lock.me()) is None:
+    if (holder is not None and not SweepDir(run_dir).jobs_path.is_file()
+            and lock.stale_reason(holder, path, lock.me()) is None):
         raise lock.RunLocked(lock.busy_message(path, holder))
     train, cwd = train_command(run_dir)
     command = [*train, *saved_overrides(run_dir), *extra, f"hydra.run.dir={run_dir}"]

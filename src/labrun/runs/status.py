@@ -11,7 +11,9 @@ utilisation) and the verdict with its fix come from each run folder (runs/effici
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ from labrun.runs.sweepdir import (
     MANIFEST,
     Job,
     SweepDir,
+    ended_without_result,
+    has_ended,
     open_storage,
     print_table,
     read_result,
@@ -51,7 +55,7 @@ class Status:
     def title(self) -> str:
         if self.kind == "sweep":
             return f"sweep {self.path} ({self.backend})"
-        return f"run {self.path}"
+        return f"run {self.path}" + (f" ({self.backend})" if self.backend else "")
 
     def as_dict(self) -> dict[str, Any]:
         jobs = []
@@ -86,12 +90,12 @@ def sweep_jobs(sweep_dir: Path) -> tuple[list[Job], str]:
     summaries = {job.num: job.run_dir.read_summary() for job in jobs}
     # Only jobs without a result are asked about: a finished sweep costs no query.
     unfinished = [job.job_id for job in jobs
-                  if job.job_id and summaries[job.num].get("status") not in ENDED]
+                  if job.job_id and not has_ended(job, summaries[job.num])]
     states = scheduler_states(manifest, unfinished) if unfinished else {}
     for job in jobs:
         summary = summaries[job.num]
         state = states.get(job.job_id or "", "")
-        if summary.get("status") in ENDED:  # pruned included: an Optuna search stopped it
+        if has_ended(job, summary):  # pruned included: an Optuna search stopped it
             read_result(job)
         elif state == "running" or (state not in NOT_ENDED
                                     and run_lock.live_holder(job.run_dir.lock_path)):
@@ -102,6 +106,8 @@ def sweep_jobs(sweep_dir: Path) -> tuple[list[Job], str]:
             job.metric = summary.get(f"best/{summary.get('monitor', 'val/acc')}")
         elif state:
             job.state = state  # pending, requeued, or ended without a result (failed, timeout)
+            if state not in NOT_ENDED:  # what it printed before it stopped, Python's or not
+                job.error = ended_without_result(job, state.upper())
         elif summary.get("status") == "running" and job.job_id:
             read_result(job)  # its process is gone without a result: failed
         if summary.get("requeued"):  # preempted or its node failed, then resumed
@@ -128,7 +134,8 @@ def collect(path: Path) -> Status:
     path = path.resolve()
     if (path / MANIFEST).is_file():
         jobs, backend = sweep_jobs(path)
-        kind = "sweep"
+        # A run sent to a cluster without -m: its folder records its one job, itself.
+        kind = "run" if [Path(job.dir) for job in jobs] == [path] else "sweep"
     elif RunDir(path).is_run():
         jobs, backend, kind = [run_job(RunDir(path))], None, "run"
     elif not path.exists():
@@ -180,14 +187,24 @@ def study_lines(path: Path) -> list[str]:
     return lines
 
 
-def show(path: Path, as_json: bool = False) -> None:
-    """Print the table (or JSON) of the jobs as they are now, then each verdict's fix."""
+def show(path: Path, as_json: bool = False, every_row: bool = False) -> None:
+    """Print the table (or JSON) of the jobs as they are now, then each verdict's fix. More
+    jobs than a screen holds (and not `every_row`): the counts by state, then only the rows
+    that need a look."""
     status = collect(path)
     if as_json:
         print(json.dumps(status.as_dict(), indent=2))
         return
-    print_table(status.jobs, status.title, efficiency=status.efficiency,
-                sweep=status.kind == "sweep")
+    rows = status.jobs
+    if not every_row and len(rows) > screenful():
+        print(state_counts(rows))
+        rows = needing_a_look(rows)
+    if rows:
+        print_table(rows, status.title, efficiency=status.efficiency,
+                    sweep=status.kind == "sweep")
+    if len(rows) < len(status.jobs):
+        print(f"{len(rows)} of {len(status.jobs)} jobs shown (failed, running, the best); "
+              f"every row: labrun status {status.path} --all")
     if status.kind == "sweep":
         for line in study_lines(status.path):
             print(line)
@@ -198,6 +215,42 @@ def show(path: Path, as_json: bool = False) -> None:
             who = f"job {job.num}: " if status.kind == "sweep" else ""
             # Plain print: one unwrapped line per fix, whatever the terminal's width.
             print(f"{who}{figures.verdict}: {figures.reason}; {figures.fix}")
+
+
+def screenful() -> int:
+    """How many rows `labrun status` shows before it sums up: the terminal's height less the
+    lines around the table (50 lines where there is no terminal)."""
+    return max(10, shutil.get_terminal_size((200, 50)).lines - 10)
+
+
+def state_counts(jobs: list[Job]) -> str:
+    """`5000 jobs: 4990 pending, 8 running, 2 failed`, the most frequent state first."""
+    counts = Counter(job.state.split(" (")[0] for job in jobs)
+    return f"{len(jobs)} jobs: " + ", ".join(f"{n} {state}" for state, n in counts.most_common())
+
+
+# The rows of each kind that a summed-up status shows, at most.
+LOOK_ROWS = 10
+
+
+def needing_a_look(jobs: list[Job]) -> list[Job]:
+    """The jobs that did not complete and have ended (failed, cancelled, timed out...), those
+    running, and the best completed ones by their monitor, LOOK_ROWS of each at most, in job
+    order; waiting and completed jobs are counted only."""
+    ended_badly = [job for job in jobs if job.job_id and not not_ended(job)
+                   and job.state.split(" (")[0] not in FINISHED]
+    running = [job for job in jobs if job.state.split(" (")[0] == "running"]
+    done = [job for job in jobs if job.state in FINISHED and job.metric is not None]
+    mode = job_mode(done[0]) if done else "max"
+    best = sorted(done, key=lambda job: job.metric, reverse=mode == "max")
+    shown = {job.num: job for job in [*ended_badly[:LOOK_ROWS], *running[:LOOK_ROWS],
+                                      *best[:LOOK_ROWS]]}
+    return [shown[num] for num in sorted(shown)]
+
+
+def job_mode(job: Job) -> str:
+    """max or min: how the job's monitor ranks (its summary, or its saved config)."""
+    return job.run_dir.read_summary().get("mode") or "max"
 
 
 def disk_line(path: Path) -> str:
@@ -216,7 +269,7 @@ def not_ended(job: Job) -> bool:
 
 
 def wait(path: Path, poll_s: float = WAIT_POLL_S) -> int:
-    """`labrun status SWEEP_DIR --wait`: wait until every job has ended, then print the table;
+    """`labrun status SWEEP_DIR|RUN_DIR --wait`: wait until every job has ended, then print the table;
     0 when every job completed, 1 when some did not. Waiting cancels nothing (Ctrl-C: 130)."""
     while any(not_ended(job) for job in collect(path).jobs):
         time.sleep(poll_s)

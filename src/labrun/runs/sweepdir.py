@@ -16,6 +16,7 @@ memory, so a table printed by the launcher and one printed later by `labrun stat
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -109,6 +110,12 @@ class SweepDir:
         # Atomic: the local launcher rewrites it as each job ends, while `labrun status` may read.
         write_json_atomic(self.jobs_path, data)
 
+    def update_controller(self, **values: Any) -> None:
+        """A detached study's "controller" record in jobs.json, with `values` added."""
+        data = json.loads(self.jobs_path.read_text())
+        data["controller"] = {**data.get("controller", {}), **values}
+        write_json_atomic(self.jobs_path, data)
+
     def earlier_jobs(self) -> dict[int, Job]:
         """job num -> the Job an earlier launch into this folder recorded ({} if none)."""
         if not self.jobs_path.is_file():
@@ -175,6 +182,14 @@ def open_storage(spec: str) -> Any:
     return JournalStorage(JournalFileBackend(spec))
 
 
+def has_ended(job: Job, summary: dict[str, Any]) -> bool:
+    """Whether the run folder's `summary` tells how the job's current attempt ended: it says
+    ended, and not before the attempt was submitted (a job submitted again, to resume, still
+    finds its earlier attempt's "interrupted" there until it starts)."""
+    return summary.get("status") in ENDED and (
+        job.submitted_at is None or summary.get("ended_at", job.submitted_at) >= job.submitted_at)
+
+
 def read_result(job: Job) -> None:
     """Fill the job's state, metric and error from what the job itself wrote."""
     run_dir = job.run_dir
@@ -211,6 +226,33 @@ def submitit_result(job: Job) -> tuple[str, Any] | None:
         return None
 
 
+# The lines of a job's stderr that say why it failed: a Python exception's last line,
+# labrun's one-line `error: ...`, and the words of what ran before Python (a container
+# runtime's `Error: ...`, srun's and slurmstepd's `error: ...`).
+ERROR_LINE = re.compile(r"^([\w.]+(Error|Exception|Interrupt)|[Ee]rror|srun: error|"
+                        r"slurmstepd: error): ")
+# srun's own line after any task's failure, which says no more than the state does.
+SRUN_TASK_EXIT = re.compile(r"^srun: error: \S+: tasks? [\d,-]+: Exited with exit code")
+
+
+def ended_without_result(job: Job, state: str) -> str:
+    """Why a scheduler's job that left no result ended: its state, and the last error line of
+    its stderr (submitit's ID_0_log.err beside job.log, the stdout)."""
+    stderr = Path(job.log).with_suffix(".err") if job.log else None
+    return f"SLURM state {state}{last_stderr_error(stderr) if stderr else ''}"
+
+
+def last_stderr_error(stderr: Path) -> str:
+    """`: ValueError: ...`, the last error line of a job's stderr (ERROR_LINE), srun's generic
+    task-exit line only when nothing else says more; nothing when none is there."""
+    if not stderr.is_file():
+        return ""
+    lines = [line for line in stderr.read_text(errors="replace").splitlines()
+             if ERROR_LINE.match(line)]
+    telling = [line for line in lines if not SRUN_TASK_EXIT.match(line)] or lines
+    return f": {telling[-1][:200]}" if telling else ""
+
+
 def last_error_line(log: str | None) -> str | None:
     """The one-line `error: ...` a job printed before it stopped (a config mistake, say)."""
     if not log or not Path(log).is_file():
@@ -222,6 +264,14 @@ def last_error_line(log: str | None) -> str | None:
 
 # ---------------------------------------------------------------------------------------------
 # The table a sweep ends with, and `labrun status` prints
+
+
+def num_ranges(nums: list[int]) -> str:
+    """Job numbers as ranges, `0-4999,5002`: a cancelled 5,000-job sweep in one short line
+    (python-hostlist's ranges of node numbers, without the brackets around them)."""
+    import hostlist
+
+    return hostlist.collect_hostlist([str(num) for num in nums]).strip("[]")
 
 
 def varying_overrides(jobs: list[Job]) -> dict[int, str]:

@@ -274,11 +274,12 @@ def hydra_overrides() -> list[str]:
 
 
 def started_by() -> tuple[list[str], str]:
-    """The command line that started this run, and the folder it started in. A sweep's job
-    runs in a worker process of its launcher (submitit's), whose own command line says
-    nothing of the run: the job's is the sweep's script (Hydra's job name) with the job's
-    overrides, in the folder the sweep was launched from."""
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    """The command line that started this run, and the folder it started in. A sweep's job,
+    and a run sent to the cluster without -m, runs in a worker process of its launcher
+    (submitit's), whose own command line says nothing of the run: the job's is the script
+    (Hydra's job name) with the job's overrides, in the folder it was launched from."""
+    if HydraConfig.initialized() and (HydraConfig.get().mode == RunMode.MULTIRUN
+                                      or environment.read().submitted_by_labrun):
         hydra = HydraConfig.get()
         return [f"{hydra.job.name}.py", *hydra.overrides.task], hydra.runtime.cwd
     return list(sys.argv), os.getcwd()

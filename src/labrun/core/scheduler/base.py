@@ -38,6 +38,10 @@ class SchedulerJob:
     first_node: str | None = None  # the job's first host: the rendezvous where nobody set one
     # The scheduler's own variables a run records in provenance/environment.json.
     recorded: Mapping[str, str] = field(default_factory=dict)
+    # What the job was given: its tasks in all (None: the scheduler did not say) and GPUs on
+    # this node (0: none), which a run started inside a person's allocation checks it fits.
+    tasks: int | None = None
+    gpus_on_node: int = 0
 
 
 @dataclass(frozen=True)

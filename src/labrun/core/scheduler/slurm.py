@@ -110,7 +110,9 @@ class SlurmScheduler:
             node_rank=_digits(env.get("SLURM_NODEID")),
             num_nodes=_digits(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")) or 1,
             ranks=ranks, first_node=hostnames(nodelist)[0] if nodelist else None,
-            recorded={k: env[k] for k in RECORDED if k in env})
+            recorded={k: env[k] for k in RECORDED if k in env},
+            tasks=_digits(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")),
+            gpus_on_node=_digits(env.get("SLURM_GPUS_ON_NODE")) or 0)
 
     @staticmethod
     def outside_job(env: Mapping[str, str]) -> dict[str, str]:
@@ -171,6 +173,17 @@ class SlurmScheduler:
             except probes.SlurmError:
                 pass
         return {i: states[i] for i in ids if i in states}
+
+    def job_whereabouts(self, job_id: str) -> tuple[str, str, str] | None:
+        """(its state; why it waits, SLURM's pending reason: Priority, Resources, BeginTime...;
+        the nodes it runs on) as squeue lists the job now; None when squeue does not list it."""
+        try:
+            rows = self._rows("squeue", "-h", "-j", job_id, "-o", "%T|%r|%N")
+        except probes.SlurmError as error:
+            if error.kind == "failed" and "invalid job id" in str(error).lower():
+                return None  # ended, and the controller has forgotten it
+            raise
+        return (rows[0][0], rows[0][1], rows[0][2]) if rows and len(rows[0]) >= 3 else None
 
     def _queue_states(self, ids: list[str]) -> dict[str, str]:
         """squeue's state of each job it lists, under both of its ids: ARRAYJOB_TASK (%i) and
