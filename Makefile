@@ -1,23 +1,30 @@
 # Each target bootstraps .venv itself, so a fresh clone needs only `make train` or `make test`.
+# What a run needs, and (for the tests and benchmarks) the rest: one stamp each, so that
+# `make test` after `make train` installs only what it still lacks.
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+INSTALLED := pyproject.toml constraints.txt setup.py src/labrun/data/_jpeg_region.c scripts/setup.sh
+TRAIN_STAMP := $(VENV)/.installed-train
+TEST_STAMP  := $(VENV)/.installed-test
 
 .PHONY: train test bench lint clean
 
-$(STAMP): pyproject.toml constraints.txt setup.py src/labrun/data/_jpeg_region.c scripts/setup.sh
-	bash scripts/setup.sh
+$(TRAIN_STAMP): $(INSTALLED)
+	bash scripts/setup.sh train
 
-train: $(STAMP)   ## the default job: digits, small CNN, CPU, about a minute
+$(TEST_STAMP): $(INSTALLED)
+	bash scripts/setup.sh test
+
+train: $(TRAIN_STAMP)   ## the default job: digits, small CNN, CPU, about a minute
 	$(PY) train.py
 
-test: $(STAMP)    ## every test; as root it brings up the test SLURM cluster first
+test: $(TEST_STAMP)     ## every test; as root it brings up the test SLURM cluster first
 	bash scripts/test.sh
 
-bench: $(STAMP)   ## benchmarks as ratios against a baseline of the same run; exit 1 on a missed target
-	$(PY) -m labrun.cli bench all --check
+bench: $(TRAIN_STAMP)   ## benchmarks as ratios against a baseline of the same run; exit 1 on a missed target
+	bash scripts/bench.sh
 
-lint: $(STAMP)
+lint: $(TRAIN_STAMP)
 	$(VENV)/bin/ruff check src tests train.py benchmarks
 	$(VENV)/bin/labrun configs check
 	$(VENV)/bin/lint-imports

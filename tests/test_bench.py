@@ -19,7 +19,7 @@ from labrun.bench import serve as bench_serve
 from labrun.bench import sweep as bench_sweep
 from labrun.bench import trainer as bench_trainer
 from labrun.bench.dashboard import DASHBOARD_TARGETS
-from labrun.bench.data import DATA_TARGETS
+from labrun.bench.data import DATA_TARGETS, FEEDS_TARGET
 from labrun.bench.serve import SERVE_TARGETS, serve_targets, serving_bound
 from labrun.bench.sweep import SWEEP_TARGETS
 from labrun.bench.trainer import STARTUP_TARGETS, TRAINER_TARGETS
@@ -116,8 +116,9 @@ def test_the_serving_bound_adds_both_costs_on_a_cpu_and_overlaps_them_on_a_gpu()
     assert serving_bound(600.0, 300.0, "cuda") == 300.0
 
 
-@pytest.mark.parametrize("target", [*TRAINER_TARGETS, *STARTUP_TARGETS,
-                                    *serve_targets("cuda"), *DASHBOARD_TARGETS],
+@pytest.mark.parametrize("target", [*DATA_TARGETS, FEEDS_TARGET, *TRAINER_TARGETS, *STARTUP_TARGETS,
+                                    *serve_targets("cuda"), *SWEEP_TARGETS,
+                                    *DASHBOARD_TARGETS],
                          ids=lambda t: t.figure)
 def test_each_benchmark_fails_on_either_side_of_its_bound(target):
     worse, better = (target.bound * 0.9, target.bound * 1.1) if target.op == ">=" else \
@@ -137,7 +138,50 @@ def test_a_figure_the_benchmark_did_not_measure_is_an_error():
         judge("data", {"speedup": 4.0}, DATA_TARGETS)
 
 
-def fake_benchmarks(monkeypatch, speedup: float, ratio: float, difference_s: float,
+def test_every_timed_target_is_a_ratio_against_a_baseline_of_the_same_run():
+    """No target judges seconds: each timed figure is compared with its baseline (`of`), and
+    what is left are counts (errors, SLURM queries)."""
+    counts = {"errors", "queries_per_pass"}
+    for target in [*DATA_TARGETS, FEEDS_TARGET, *TRAINER_TARGETS, *STARTUP_TARGETS,
+                   *serve_targets("cuda"), *SWEEP_TARGETS, *DASHBOARD_TARGETS]:
+        assert target.of is not None or target.figure in counts, target
+        assert not target.figure.endswith(("_s", "_ms")), target
+
+
+def test_a_benchmark_that_cannot_run_misses_its_required_targets_with_the_reason(
+        monkeypatch, capsys):
+    """No SLURM cluster answers: `labrun bench sweep --check` exits 1 saying why (its three
+    required targets used to vanish and `bench all --check` said all were met)."""
+    from labrun.core import probes
+    from labrun.core.scheduler import SlurmScheduler
+
+    def no_cluster(self):
+        raise probes.SlurmError("missing", "squeue: not found")
+
+    monkeypatch.setattr(SlurmScheduler, "partitions", no_cluster)
+    assert cli.main(["bench", "sweep", "--check"]) == 1
+    out = capsys.readouterr().out
+    missed = [line for line in out.splitlines() if line.startswith("target missed:")]
+    assert len(missed) == sum(t.required for t in SWEEP_TARGETS) == 2
+    assert all("not measured (no SLURM cluster answers here" in line for line in missed)
+    assert "labrun bench all --skip sweep" in missed[0]
+
+
+def test_bench_all_skips_only_what_the_command_line_names(monkeypatch, capsys):
+    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP * 2, ratio=1.0, startup_ratio=1.1,
+                    errors=0)
+    monkeypatch.setattr(bench_sweep, "run", lambda args: bench_sweep.unmeasured(
+        "sweep", SWEEP_TARGETS, "no SLURM cluster answers here"))
+    assert cli.main(["bench", "all", "--check"]) == 1
+    assert "target missed: sweep speedup: not measured" in capsys.readouterr().out
+    assert cli.main(["bench", "all", "--check", "--skip", "sweep"]) == 0
+    out = capsys.readouterr().out
+    assert "== labrun bench sweep: left out (--skip sweep)" in out
+    assert "required targets met; left out on the command line: sweep" in out
+    assert " sweep speedup " not in out
+
+
+def fake_benchmarks(monkeypatch, speedup: float, ratio: float, startup_ratio: float,
                     errors: int, to_ceiling: float = 1.0) -> None:
     """Every benchmark's run function replaced by one that returns injected figures."""
     monkeypatch.setattr(bench_data, "run_data", lambda args: judge(
@@ -145,8 +189,8 @@ def fake_benchmarks(monkeypatch, speedup: float, ratio: float, difference_s: flo
     monkeypatch.setattr(bench_trainer, "run_trainer", lambda args: judge(
         "trainer", {"bare": 100.0, "session": 100.0 * ratio, "ratio": ratio}, TRAINER_TARGETS))
     monkeypatch.setattr(bench_trainer, "run_startup", lambda args: judge(
-        "startup", {"import_torch_s": 2.0, "first_step_s": 2.0 + difference_s,
-                    "difference_s": difference_s}, STARTUP_TARGETS))
+        "startup", {"baseline_s": 2.0, "first_step_s": 2.0 * startup_ratio,
+                    "startup_ratio": startup_ratio}, STARTUP_TARGETS))
     monkeypatch.setattr(bench_serve, "run", lambda args: judge(
         "serve", serve_figures(errors, to_ceiling), serve_targets("cpu")))
     # The sweep benchmark submits to a SLURM cluster; its figures here meet every target.
@@ -155,24 +199,26 @@ def fake_benchmarks(monkeypatch, speedup: float, ratio: float, difference_s: flo
                   "queries_per_pass": 1}, SWEEP_TARGETS))
     # The dashboard benchmark's real run: tests/test_dashboard.py (on fewer runs).
     monkeypatch.setattr(bench_dashboard, "run", lambda args: judge(
-        "dashboard", {"compare_s": 1.0, "read_files_s": 0.5, "first_write_s": 2.0,
-                      "second_start_s": 0.1}, DASHBOARD_TARGETS))
+        "dashboard", {"compare_s": 1.0, "read_files_s": 0.5, "compare_ratio": 2.0,
+                      "first_write_s": 2.0, "summary_writer_s": 4.0, "first_write_ratio": 0.5,
+                      "second_start_s": 0.01, "stat_files_s": 0.002,
+                      "second_start_ratio": 5.0}, DASHBOARD_TARGETS))
 
 
 def test_bench_all_check_through_the_cli_names_every_miss_and_exits_1(monkeypatch, capsys):
-    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP / 2, ratio=0.5, difference_s=9.0,
+    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP / 2, ratio=0.5, startup_ratio=9.0,
                     errors=3, to_ceiling=0.5)
     assert cli.main(["bench", "all", "--check"]) == 1
     out = capsys.readouterr().out
     missed = {line.split(":")[1].strip() for line in out.splitlines()
               if line.startswith("target missed:")}
-    assert missed == {"data speedup", "trainer ratio", "startup difference_s", "serve errors",
+    assert missed == {"data speedup", "trainer ratio", "startup startup_ratio", "serve errors",
                       "serve ratio_to_ceiling"}
-    assert "target missed: startup difference_s: measured 9, target < 1.5" in out
+    assert "target missed: startup startup_ratio: measured 9, target < 1.5" in out
 
 
 def test_bench_all_check_through_the_cli_exits_0_when_all_are_met(monkeypatch, capsys):
-    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP * 2, ratio=1.0, difference_s=0.5,
+    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP * 2, ratio=1.0, startup_ratio=1.1,
                     errors=0)
     assert cli.main(["bench", "all", "--check"]) == 0
     out = capsys.readouterr().out
@@ -180,17 +226,17 @@ def test_bench_all_check_through_the_cli_exits_0_when_all_are_met(monkeypatch, c
     # One table at the end, with every benchmark's every target.
     assert out.count("benchmark targets") == 1
     table = out[out.index("benchmark targets"):]
-    for figure in ("data speedup", "data of_ceiling", "trainer ratio", "startup difference_s",
+    for figure in ("data speedup", "data of_ceiling", "trainer ratio", "startup startup_ratio",
                    "serve errors", "serve ratio_to_ceiling", "serve ratio_to_bound",
                    "serve ratio_batched_to_unbatched", "serve p99_1_to_bound",
-                   "sweep ms_per_job", "sweep queries_per_pass", "dashboard compare_s",
-                   "dashboard first_write_s", "dashboard second_start_s"):
+                   "sweep speedup", "sweep queries_per_pass", "dashboard compare_ratio",
+                   "dashboard first_write_ratio", "dashboard second_start_ratio"):
         assert f" {figure} " in table, figure
     assert cli.main(["bench", "all"]) == 0
 
 
 def test_one_benchmark_with_check_through_the_cli(monkeypatch, capsys):
-    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP * 2, ratio=0.5, difference_s=0.5,
+    fake_benchmarks(monkeypatch, speedup=REQUIRED_SPEEDUP * 2, ratio=0.5, startup_ratio=1.1,
                     errors=0)
     assert cli.main(["bench", "trainer", "--check"]) == 1
     assert cli.main(["bench", "data", "--check"]) == 0

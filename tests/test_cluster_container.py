@@ -65,9 +65,11 @@ def test_a_two_task_job_trains_in_podman_each_task_seeing_only_the_jobs_gres_gpu
     probe.write_text("#!/bin/sh\n"
                      f"echo \"$SLURM_PROCID ${{SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}} "
                      f"$CUDA_VISIBLE_DEVICES $(ls {SLURM_STATE}/dev | tr '\\n' ' ')\" >> {seen}\n"
+                     f"echo \"$LABRUN_LAB_SETTING\" >> {probe.parent / 'env.txt'}\n"
                      f"exec {PYTHON} \"$@\"\n")
     probe.chmod(0o755)
-    result = container_sweep(tmp_path / "sweep", "trainer.devices=2", python=str(probe),
+    result = container_sweep(tmp_path / "sweep", "trainer.devices=2",
+                             "+cluster.env.LABRUN_LAB_SETTING=seen-inside", python=str(probe),
                              mounts=(str(probe.parent),))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [row] = manifest(tmp_path / "sweep")["jobs"]
@@ -82,6 +84,8 @@ def test_a_two_task_job_trains_in_podman_each_task_seeing_only_the_jobs_gres_gpu
     assert (recorded["container"], recorded["container_image"], recorded["container_digest"]
             ) == ("podman", PODMAN_IMAGE, digest.stdout.strip())
     assert recorded["container_digest"].startswith("sha256:")
+    # cluster.env, exported by the batch script on the host, is what each task sees inside.
+    assert (probe.parent / "env.txt").read_text().split() == ["seen-inside"] * 2
     tasks = sorted(line.split(" ", 3) for line in seen.read_text().splitlines())
     assert [rank for rank, *_ in tasks] == ["0", "1"]
     for _, gres, visible, devices in tasks:

@@ -126,6 +126,10 @@ def test_a_single_run_goes_to_the_cluster_and_reports_back_like_a_local_run(tmp_
     status = subprocess.run([LABRUN, "status", str(run_dir)], capture_output=True, text=True,
                             timeout=120, cwd=PROJECT)
     assert status.stdout.startswith(f"run {run_dir}"), status.stdout
+    # `labrun dashboard RUN_DIR` takes it too (its files beside the run's, in .dashboard/).
+    from labrun.runs import dashboard
+
+    assert dashboard.prepare(run_dir, port=0).what.startswith("1 runs by")
 
 
 def test_a_run_that_fails_in_its_job_exits_non_zero_with_the_jobs_error(tmp_path):

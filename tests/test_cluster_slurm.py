@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -322,7 +323,7 @@ def test_cancel_stops_a_detached_sweeps_jobs_from_any_terminal_and_records_it(tm
     cancel = subprocess.run([LABRUN, "cancel", str(tmp_path)], capture_output=True, text=True,
                             timeout=120)
     assert cancel.returncode == 0, cancel.stderr
-    assert cancel.stdout.strip() == f"cancelled 2 jobs of {tmp_path}: 0, 1"
+    assert cancel.stdout.strip() == f"cancelled 2 jobs of {tmp_path}: 0-1"
     for row in manifest(tmp_path)["jobs"]:
         assert row["state"] == "cancelled" and row["cancelled_at"] is not None
         # Elements of an array that never started: accounting keeps one row, the array's.
@@ -342,6 +343,14 @@ def test_cancel_stops_a_detached_sweeps_jobs_from_any_terminal_and_records_it(tm
     subprocess.run([LABRUN, "cancel", str(tmp_path)], capture_output=True, timeout=120)
 
 
+def read_summary_or_none(run_dir: Path) -> dict:
+    """The run's summary.json, or {} before it has one."""
+    try:
+        return read_summary(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
 def test_an_optuna_study_keeps_n_jobs_trials_in_flight_each_its_own_job(tmp_path):
     # hparams_search=optuna on SLURM: four trials, two in flight, each trial one SLURM job
     # submitted as the study asks for it, every trial reporting to the study's journal file in
@@ -350,11 +359,28 @@ def test_an_optuna_study_keeps_n_jobs_trials_in_flight_each_its_own_job(tmp_path
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    result = run_sweep(tmp_path, "hparams_search=optuna", "hydra.sweeper.n_trials=4",
-                       "hydra.sweeper.n_jobs=2", "trainer.max_epochs=2",
-                       "trainer.limit_train_batches=3", "trainer.limit_val_batches=2",
-                       timeout=600)  # four tiny trials, two at a time
-    assert result.returncode == 0, result.stdout + result.stderr
+    proc = subprocess.Popen(sweep_args(tmp_path, "hparams_search=optuna",
+                                       "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
+                                       "trainer.max_epochs=2", "trainer.limit_train_batches=3",
+                                       "trainer.limit_val_batches=2"),
+                            cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    # Asynchronous, not in batches: trial 1 is held still from its start (before its data
+    # loads, so outside the journal's lock) while trials 2 and 3 take trial 0's freed slot one
+    # after the other and end. A batched sweeper would wait for trial 1 before starting 2.
+    [held] = freeze_as_they_start([tmp_path / "1"], proc, timeout=300)
+    try:
+        deadline = time.time() + 300  # two tiny trials after trial 0, one at a time
+        while read_summary_or_none(tmp_path / "3").get("status") not in ("completed",
+                                                                        "pruned"):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.time() < deadline, "trial 3 did not end while trial 1 was held"
+            time.sleep(0.5)
+        assert read_summary_or_none(tmp_path / "1").get("status") != "completed"
+    finally:
+        os.kill(held, signal.SIGCONT)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output
     storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
     trials = optuna.load_study(study_name="train", storage=storage).trials
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
@@ -387,11 +413,17 @@ def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_i
     result = run_sweep(tmp_path, "hparams_search=optuna", "cluster.detach=true",
                        "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1",
                        "trainer.max_epochs=2", "trainer.limit_train_batches=3",
-                       "trainer.limit_val_batches=2")
+                       "trainer.limit_val_batches=2", "cluster.controller.cpus_per_task=2",
+                       "cluster.controller.timeout_min=25")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"labrun status {tmp_path}" in result.stdout
     assert f"labrun cancel {tmp_path}" in result.stdout
     controller = manifest(tmp_path)["controller"]["job_id"]
+    # cluster.controller's keys reached the controller's sbatch, as SLURM holds the job.
+    shown = subprocess.run(["scontrol", "show", "job", controller], capture_output=True,
+                           text=True, timeout=30, check=True).stdout
+    for field in ("Partition=dev", "TimeLimit=00:25:00", "NumCPUs=2"):
+        assert re.search(rf"\b{field}\b", shown), (field, shown)
     # The terminal is gone (the command returned). Mid-study, while trial 1 trains, the
     # controller is requeued (a preemption would do the same): submission, start-up and a
     # trial, under two minutes loaded; 300 s only stops a hang.
@@ -435,6 +467,10 @@ def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_i
     # No pruning before five trials (the default MedianPruner): all three completed.
     assert ("study train: 3 trials wanted; 3 finished, 0 running, 0 pruned, 0 failed"
             in status.stdout), status.stdout
+    # The best so far with its parameters, as the study itself has it.
+    best = optuna.load_study(study_name="train", storage=storage).best_trial
+    assert (f"best so far: trial {best.number}, {best.value:.4g} with "
+            f"optimizer.lr={best.params['optimizer.lr']}") in status.stdout, status.stdout
     assert f"controller: SLURM job {controller}, completed" in status.stdout, status.stdout
     # Its end is in jobs.json too, for when SLURM has forgotten the job.
     assert manifest(tmp_path)["controller"]["state"] == "completed"
@@ -448,6 +484,26 @@ def test_a_held_sweep_larger_than_the_screen_is_summed_up_and_cancelled_in_range
     assert result.returncode == 0, result.stdout + result.stderr
     small_screen = {**os.environ, "LINES": "20"}
     try:
+        # `labrun status --wait` interrupted (Ctrl-C) while it waits (it has asked SLURM: a
+        # logging squeue on its PATH says so) cancels nothing: the jobs still wait.
+        shim = tmp_path / "shim"
+        shim.mkdir()
+        real = shutil.which("squeue")
+        (shim / "squeue").write_text(f'#!/bin/sh\ntouch "{shim}/asked"\nexec {real} "$@"\n')
+        (shim / "squeue").chmod(0o755)
+        waiting = subprocess.Popen([LABRUN, "status", "--wait", str(tmp_path)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env={**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"})
+        deadline = time.monotonic() + 60
+        while not (shim / "asked").exists():
+            assert waiting.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        waiting.send_signal(signal.SIGINT)
+        assert waiting.wait(timeout=60) == 130, waiting.communicate()[0]
+        ids = [row["job_id"] for row in manifest(tmp_path)["jobs"]]
+        states = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%T"],
+                                capture_output=True, text=True, timeout=30).stdout.split()
+        assert states == ["PENDING"] * 12, states
         status = subprocess.run([LABRUN, "status", str(tmp_path)], capture_output=True,
                                 text=True, timeout=120, env=small_screen)
         assert status.stdout.splitlines()[0] == "12 jobs: 12 pending", status.stdout
@@ -460,3 +516,24 @@ def test_a_held_sweep_larger_than_the_screen_is_summed_up_and_cancelled_in_range
     every = subprocess.run([LABRUN, "status", "--all", str(tmp_path)], capture_output=True,
                            text=True, timeout=120, env=small_screen).stdout
     assert sum(1 for line in every.splitlines() if "│ cancelled" in line) == 12, every
+
+
+def test_cancel_of_a_running_job_lets_it_save_a_checkpoint(tmp_path):
+    """`labrun cancel SWEEP_DIR` of a job that trains: SLURM's SIGTERM reaches the training
+    process (its data workers leave it to it), which saves a checkpoint and ends interrupted."""
+    result = run_sweep(tmp_path, "cluster.detach=true", "trainer.max_epochs=500",
+                       "checkpoint.every_n_steps=5", "dataset.num_workers=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = tmp_path / "0"
+    deadline = time.time() + 180  # queued, started, five steps
+    while not (run / "checkpoints" / "step-00000005.pt").is_file():
+        assert time.time() < deadline, "the job never checkpointed"
+        time.sleep(0.5)
+    cancel = subprocess.run([LABRUN, "cancel", str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    assert cancel.stdout.strip() == f"cancelled 1 jobs of {tmp_path}: 0", cancel.stdout
+    job_id = manifest(tmp_path)["jobs"][0]["job_id"]
+    assert sacct_state(job_id).startswith("CANCELLED")
+    summary = read_summary(run)
+    assert summary["status"] == "interrupted", summary
+    assert (run / "checkpoints" / f"step-{summary['step']:08d}.pt").is_file()

@@ -154,7 +154,7 @@ def test_the_dashboard_benchmark_measures_every_figure_on_a_few_runs(capsys):
     assert cli.main(["bench", "dashboard", "--runs", "20"]) == 0
     out = capsys.readouterr().out
     assert "20 runs: compare" in out and "(0 written, 20 unchanged)" in out
-    for figure in ("compare_s", "first_write_s", "second_start_s"):
+    for figure in ("compare_ratio", "first_write_ratio", "second_start_ratio"):
         assert f"dashboard {figure}" in out
 
 

@@ -1,13 +1,16 @@
 """The training loop does not wait for the device between log points.
 
-On a GPU, `.item()`, `.tolist()`, `bool()`, `float()` and `int()` of a tensor make the host wait
+On a GPU, `.item()`, `.tolist()`, `bool()`, `float()`, `int()`, `.cpu()`, `.numpy()`,
+`.to("cpu")`, a tensor formatted into a string and `torch.cuda.synchronize()` make the host wait
 until every queued kernel has run, so one per step keeps the GPU's queue empty. There is no GPU
-here, so a callback counts those calls instead: it wraps the five methods of torch.Tensor and
-counts the calls made from labrun's own code (torch's optimizers read their CPU step counters
-with `.item()`, which costs no wait, and are not counted; nor is labrun's data pipeline, which
-works on host tensors before a batch moves to the device). Each optimizer step that is not a
-log point (nor a checkpoint, nor an epoch's end) must make none, in fp32 and bf16, in one process
-and in two (DDP over gloo: the ranks agree on stop signals every few steps, at log points here).
+here, so a callback counts those calls instead: it wraps them and counts the calls made from
+labrun's own code (torch's optimizers read their CPU step counters with `.item()`, which costs
+no wait, and are not counted; nor is labrun's data pipeline, which works on host tensors before
+a batch moves to the device). Each optimizer step that is not a log point (nor a checkpoint,
+nor an epoch's end) must make none: in fp32 and bf16, in one process and in two (DDP over gloo:
+the ranks agree on stop signals every few steps, at log points here), with gradient clipping,
+and in fp16, whose GradScaler checks for infinities with a sync of its own every step (the
+precision's need, counted apart: torch's code, one a step at most).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ LABRUN = str(Path(labrun.__file__).parent)
 # The data pipeline works on host tensors (the epoch's sample order, the uint8 batches) before
 # a batch moves to the device: no call there waits for a GPU, whatever the run's device.
 HOST_DATA = str(Path(labrun.__file__).parent / "data")
-METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+SCALER = str(Path(torch.__file__).parent / "amp" / "grad_scaler.py")
+METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy",
+           "__format__", "__repr__", "__str__")
 
 
 class CountHostSyncs(Callback):
@@ -41,10 +46,22 @@ class CountHostSyncs(Callback):
 
     def __init__(self, out):
         self.out, self.step, self.calls, self.sites, self.per_step = out, 0, 0, {}, {}
+        self.scaler_calls, self.scaler_per_step = 0, {}
 
     def on_fit_start(self, trainer):
         for name in METHODS:
             setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
+        to = torch.Tensor.to
+
+        def counted_to(tensor, *args, **kwargs):
+            # "cpu" spelled out: a copy to the host (the trainer moves batches with its own
+            # device, which on this CPU is the host too, and is no such copy on a GPU).
+            if (args and args[0] == "cpu") or kwargs.get("device") == "cpu":
+                self._count(sys._getframe(1))
+            return to(tensor, *args, **kwargs)
+        torch.Tensor.to = counted_to
+        # No CUDA here: the call is counted, and does nothing.
+        torch.cuda.synchronize = lambda *args, **kwargs: self._count(sys._getframe(1))
         train_step = trainer.train_step
 
         def counted_step(*args):
@@ -56,15 +73,20 @@ class CountHostSyncs(Callback):
     def _close_step(self):
         if self.step:
             self.per_step[self.step] = self.calls
-        self.calls = 0
+            self.scaler_per_step[self.step] = self.scaler_calls
+        self.calls = self.scaler_calls = 0
+
+    def _count(self, caller):
+        where = caller.f_code.co_filename
+        if where.startswith(LABRUN) and not where.startswith(HOST_DATA):
+            self.calls += 1
+            self.sites.setdefault(self.step, []).append(f"{where}:{caller.f_lineno}")
+        elif where == SCALER:
+            self.scaler_calls += 1
 
     def _counting(self, method):
         def counted(tensor, *args, **kwargs):
-            caller = sys._getframe(1)
-            where = caller.f_code.co_filename
-            if where.startswith(LABRUN) and not where.startswith(HOST_DATA):
-                self.calls += 1
-                self.sites.setdefault(self.step, []).append(f"{where}:{caller.f_lineno}")
+            self._count(sys._getframe(1))
             return method(tensor, *args, **kwargs)
         return counted
 
@@ -72,6 +94,7 @@ class CountHostSyncs(Callback):
         self._close_step()
         Path(f"{self.out}.rank{trainer.dist.rank}").write_text(json.dumps(
             {"per_step": self.per_step, "sites": self.sites, "status": status,
+             "scaler_per_step": self.scaler_per_step,
              "log_every": trainer.cfg.trainer.log_every_n_steps,
              "steps_per_epoch": trainer.steps_per_epoch}))
 '''
@@ -81,15 +104,17 @@ STEPS = ["trainer.max_epochs=1", "trainer.limit_train_batches=12", "trainer.log_
          "trainer.limit_val_batches=1", "optimizer=sgd", "model.dropout=0"]
 
 
-# One process in fp32 and two (DDP) in bf16: between them the step's paths that could sync
-# (the loss and its non-finite check, autocast, DDP's reduction), at half the cost of all four
-# pairs.
-@pytest.mark.parametrize(("devices", "precision"), [(1, "fp32"), (2, "bf16")])
-def test_no_host_sync_between_log_points(tmp_path, precision, devices):
+# One process in fp32 with gradient clipping, two (DDP) in bf16, and one in fp16 (GradScaler):
+# between them the step's paths that could sync (the loss and its non-finite check, autocast,
+# clipping's norm, the scaler, DDP's reduction), at a fraction of the cost of every pairing.
+@pytest.mark.parametrize(("devices", "precision", "extra"), [
+    (1, "fp32", ["trainer.grad_clip=1.0"]), (2, "bf16", []), (1, "fp16", [])],
+    ids=["fp32-clip", "ddp-bf16", "fp16"])
+def test_no_host_sync_between_log_points(tmp_path, precision, devices, extra):
     (tmp_path / "synccount.py").write_text(COUNTER)
     out = tmp_path / "syncs.json"
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    run_train(*STEPS, f"precision={precision}", f"trainer.devices={devices}",
+    run_train(*STEPS, *extra, f"precision={precision}", f"trainer.devices={devices}",
               "+callbacks.syncs._target_=synccount.CountHostSyncs", f"+callbacks.syncs.out={out}",
               run_dir=tmp_path / "run", env=env)
     for rank in range(devices):
@@ -107,3 +132,8 @@ def test_no_host_sync_between_log_points(tmp_path, precision, devices):
         # The counter does see the syncs a log point makes (the logged train/loss), so a zero
         # above is the loop's, not a counter that counts nothing.
         assert per_step[5] >= 1
+        # fp16's GradScaler: its own check for infinities, at most one a step (the precision's
+        # need; labrun adds none around it). Without a scaler, none.
+        scaler = {step: found["scaler_per_step"][str(step)] for step in between}
+        print(f"rank {rank}: the scaler's own syncs per step {found['scaler_per_step']}")
+        assert set(scaler.values()) == ({1} if precision == "fp16" else {0}), scaler

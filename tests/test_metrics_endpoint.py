@@ -84,7 +84,7 @@ def runs(tmp_path_factory, held_port):
         "lab": Run(tmp, "lab", "cluster=lab", f"monitor.port={held_port}",
                    env={**PLAIN_ENV, "SLURM_CONF": str(tmp / "no-slurm.conf"),
                         "SLURM_JOB_ID": "780", "SLURM_ARRAY_JOB_ID": "777",
-                        "SLURM_ARRAY_TASK_ID": "3"}),
+                        "SLURM_ARRAY_TASK_ID": "3", "SUBMITIT_EXECUTOR": "slurm"}),
         "off": Run(tmp, "off", "monitor.enabled=false", env=PLAIN_ENV),
     }
     try:

@@ -4,6 +4,7 @@ LocalExecutor job, known by its controller's pid; a pid that another process hol
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 from labrun.core import scheduler
@@ -15,7 +16,11 @@ def test_a_local_job_runs_until_its_controller_ends(tmp_path):
 
     executor = submitit.LocalExecutor(folder=tmp_path)
     executor.update_parameters(timeout_min=1)
-    job = executor.submit(time.sleep, 1)
+    # The job runs until the test lets it end (a file appears): RUNNING is seen however slow
+    # the machine, not in a window of a second.
+    release = tmp_path / "release"
+    job = executor.submit(subprocess.run, ["sh", "-c", f"until [ -e {release} ]; do sleep 0.05; "
+                                                       f"done"], check=True)
     local = LocalScheduler()
     # The controller's command line reads as its own once its exec is done, some milliseconds
     # after submit() returns; 10 s: a loaded machine.
@@ -26,7 +31,8 @@ def test_a_local_job_runs_until_its_controller_ends(tmp_path):
     assert local.job_states([job.job_id, str(os.getpid())]) == {job.job_id: "RUNNING"}
     assert local.job_alive(job.job_id) is True
     assert local.job_alive(str(os.getpid())) is False  # alive, but no job's controller
-    job.result()  # 60 s at most (timeout_min); a second here
+    release.touch()
+    job.result()  # 60 s at most (timeout_min); a moment here
     # 10 s: the controller exits right after writing the result.
     deadline = time.monotonic() + 10
     while local.job_alive(job.job_id):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import math
 import os
 import threading
@@ -89,9 +90,17 @@ def alone(server, images) -> dict[str, dict[int, float]]:
             assert answer.status_code == 200, answer.text
             assert answer.headers[HEADER] == "1"
             answers[name] = probs(answer.json()["top"])
-    # The images must tell callers apart: were every answer alike, a mix-up could not show.
+    # The images must tell callers apart: were two answers alike within assert_same's
+    # tolerance, a swap of the two could not show. Every pair differs by more.
     assert len({max(p, key=p.get) for p in answers.values()}) >= 4, answers
+    for (a, first), (b, second) in itertools.combinations(answers.items(), 2):
+        gap = max(abs(first[c] - second[c]) for c in first)
+        assert gap > SAME_ANSWER_TOLERANCE, (a, b, gap)
     return answers
+
+
+# float32 rounding: onnxruntime may sum in another order for a batch of 8 than for one.
+SAME_ANSWER_TOLERANCE = 1e-4
 
 
 def probs(top: list[dict]) -> dict[int, float]:
@@ -103,7 +112,7 @@ def assert_same(got: dict[int, float], expected: dict[int, float], name: str) ->
     another order for a batch of 8 than for a batch of 1."""
     assert got.keys() == expected.keys(), name
     worst = max(abs(got[c] - expected[c]) for c in got)
-    assert worst <= 1e-4, (name, worst, got, expected)
+    assert worst <= SAME_ANSWER_TOLERANCE, (name, worst, got, expected)
 
 
 def at_once(calls: list) -> list:

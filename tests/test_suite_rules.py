@@ -4,6 +4,7 @@ privileged). The workflow itself cannot run here; these tests check what it says
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -144,3 +145,123 @@ def test_the_declared_wandb_is_one_whose_leet_inspect_the_tests_use():
     lowest = min(Version(spec.version) for spec in wandb.specifier if spec.operator == ">=")
     assert lowest >= Version("0.31"), f"pyproject allows {wandb}, older than leet inspect"
     assert Version(version("wandb")) in wandb.specifier
+
+
+# ---------------------------------------------------------------------------------------------
+# No wall clock in a test's verdict: a test waits for events (a file, a state, a line), and a
+# figure that depends on the machine's speed belongs in a benchmark (`make bench`), as a ratio.
+
+TIME_CALLS = {"time", "monotonic", "perf_counter", "time_ns", "monotonic_ns"}
+
+
+def _is_time(node: ast.AST) -> bool:
+    """A reading of the clock, or a recorded time: time.time(), x.started_at, row["ended_at"]."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return (node.func.attr in TIME_CALLS and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "time")
+    if isinstance(node, ast.Attribute):
+        return node.attr.endswith("_at")
+    if isinstance(node, ast.Name):
+        return node.id.endswith("_at")
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        return isinstance(key, ast.Constant) and str(key.value).endswith("_at")
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+            "float", "abs", "int"):
+        return any(_is_time(arg) or _is_duration(arg) for arg in node.args)
+    return False
+
+
+def _is_duration(node: ast.AST) -> bool:
+    """A difference of times (t1 - t0), or a time shifted by a constant (ended_at + 15)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "abs":
+        return any(_is_duration(arg) for arg in node.args)
+    if not isinstance(node, ast.BinOp) or not isinstance(node.op, ast.Add | ast.Sub):
+        return False
+    sides = (node.left, node.right)
+    return (any(_is_time(side) or _is_duration(side) for side in sides)
+            and (isinstance(node.op, ast.Sub) or any(_is_number(side) for side in sides)))
+
+
+def _is_number(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, int | float) \
+        and not isinstance(node.value, bool)
+
+
+def _shifted(node: ast.AST) -> bool:
+    """A time plus or minus a constant: a bound taken from the clock."""
+    return (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub)
+            and any(_is_number(side) for side in (node.left, node.right))
+            and any(_is_time(side) or _is_duration(side) for side in (node.left, node.right)))
+
+
+def clock_verdicts(source: str) -> list[int]:
+    """The lines of `source` where a test judges by the clock: an assert comparing a duration
+    or a timestamp with a number, or a time with a time shifted by a number; a tolerance of
+    pytest.approx on a duration; a fixed sleep as a window (outside a wait loop), or a job that
+    only sleeps. A wait loop's deadline (`assert time.monotonic() < deadline`) is allowed."""
+    tree = ast.parse(source)
+    loops = {id(node) for loop in ast.walk(tree) if isinstance(loop, ast.While | ast.For)
+             for node in ast.walk(loop)}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assert):
+            for compare in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+                operands = [compare.left, *compare.comparators]
+                timed = [o for o in operands if _is_time(o) or _is_duration(o)]
+                if timed and (any(_is_number(o) for o in operands)
+                              or any(_shifted(o) for o in operands)):
+                    found.add(node.lineno)
+            # pytest.approx(t1 - t0, abs=0.5): a difference within a tolerance of tenths,
+            # which only the clock needs (a float's rounding needs 1e-4 at most).
+            for call in (n for n in ast.walk(node.test) if isinstance(n, ast.Call)):
+                if (isinstance(call.func, ast.Attribute) and call.func.attr == "approx"
+                        and call.args and isinstance(call.args[0], ast.BinOp)
+                        and isinstance(call.args[0].op, ast.Sub)
+                        and any(k.arg in ("abs", "rel") and _is_number(k.value)
+                                and k.value.value >= 0.1 for k in call.keywords)):
+                    found.add(node.lineno)
+        is_sleep = (isinstance(node, ast.Attribute) and node.attr == "sleep"
+                    and isinstance(node.value, ast.Name) and node.value.id == "time")
+        if is_sleep:
+            parent_calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)
+                            and c.func is node]
+            if not parent_calls:  # time.sleep handed over as a job: a window of its length
+                found.add(node.lineno)
+            for call in parent_calls:
+                if (call.args and _is_number(call.args[0]) and call.args[0].value >= 2
+                        and id(call) not in loops):
+                    found.add(call.lineno)
+    return sorted(found)
+
+
+def test_no_test_judges_by_the_wall_clock():
+    offenders = {path.name: lines for path in sorted((PROJECT / "tests").glob("*.py"))
+                 if (lines := clock_verdicts(path.read_text()))}
+    assert offenders == {}
+
+
+@pytest.mark.parametrize("line", [
+    # The lines the rule was written for, as they were (issue: no wall clock in tests).
+    'assert trials[0]["ended_at"] < rows[2]["started_at"] < trials[0]["ended_at"] + 15',
+    "time.sleep(10)",
+    "job = executor.submit(time.sleep, 1)",
+    'assert abs(facts["started_at"] - time.time()) < 60',
+    "assert float(v1) - float(v0) == pytest.approx(t1 - t0, abs=0.5)",
+    "assert float(samples[-1][1]) >= samples[-1][0] - submitted_at - 1",
+    "assert time.monotonic() - started < 15",
+])
+def test_the_clock_rule_flags_a_verdict_by_the_clock(line):
+    assert clock_verdicts(f"def test():\n    {line}\n") == [2]
+
+
+@pytest.mark.parametrize("line", [
+    "assert time.monotonic() < deadline, 'gave up'",  # a wait loop's deadline
+    'assert before <= facts["started_at"] <= after',  # an order of events
+    'assert trials[0]["ended_at"] < rows[2]["started_at"]',
+    "assert t0 <= submit + float(v0) < t1",
+    "while not done():\n        time.sleep(2)",  # a poll
+    "assert len(calls) == 3",
+])
+def test_the_clock_rule_lets_events_and_deadlines_pass(line):
+    assert clock_verdicts(f"def test():\n    {line}\n") == []

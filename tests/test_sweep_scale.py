@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -48,14 +49,26 @@ def cancel(arrays: list[str]) -> None:
 
 
 def shims(folder: Path) -> Path:
-    """squeue and sacct on PATH that log each call, then run the real one."""
+    """squeue and sacct on PATH that log each call with its arguments, then run the real
+    one."""
     folder.mkdir()
     for name in ("squeue", "sacct"):
         real = subprocess.run(["which", name], capture_output=True, text=True).stdout.strip()
-        (folder / name).write_text(f'#!/bin/sh\necho {name} >> "{folder}/calls"\n'
+        (folder / name).write_text(f'#!/bin/sh\necho {name} "$*" >> "{folder}/calls"\n'
                                    f'exec {real} "$@"\n')
         (folder / name).chmod(0o755)
     return folder
+
+
+def read_calls(shim: Path) -> list[tuple[str, set[str]]]:
+    """Each logged call: the command and the job ids its -j named."""
+    calls = []
+    path = shim / "calls"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        name, *args = line.split()
+        ids = set(args[args.index("-j") + 1].split(",")) if "-j" in args else set()
+        calls.append((name, ids))
+    return calls
 
 
 def test_1500_jobs_are_two_arrays_every_task_queued_and_one_query_a_poll(tmp_path):
@@ -83,13 +96,17 @@ def test_1500_jobs_are_two_arrays_every_task_queued_and_one_query_a_poll(tmp_pat
         assert [row["job_id"] for row in rows] == \
             [f"{arrays[0]}_{i}" for i in range(1001)] + [f"{arrays[1]}_{i}" for i in range(499)]
 
-        # The launcher waits: 10 s of its polling, every SLURM query counted.
+        # The launcher waits: three of its polling passes, every SLURM query counted. Each
+        # pass is one squeue naming every one of the 1,500 jobs (a query a job, or an array,
+        # would name fewer), and no sacct (squeue knows every held job).
         (shim / "calls").unlink(missing_ok=True)
-        time.sleep(10)
-        calls = (shim / "calls").read_text().split() if (shim / "calls").exists() else []
-        # A pass every 2 s at first, then less often: at most 6 passes of one query each. One
-        # query a job would be thousands.
-        assert 1 <= len(calls) <= 6 and set(calls) == {"squeue"}, calls
+        deadline = time.monotonic() + 120  # the poll interval grows to 10 s: three passes
+        while len(calls := read_calls(shim)) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None, calls
+            time.sleep(0.5)
+        expected = {row["job_id"] for row in rows}
+        for name, ids in calls:
+            assert name == "squeue" and ids == expected, (name, len(ids))
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the launcher cancels every job
         out, _ = proc.communicate(timeout=120)
         assert "cancelling the sweep's 1500 jobs" in out, out[-2000:]
@@ -170,26 +187,49 @@ def test_a_sweeps_resource_requests_share_its_array_parallelism(tmp_path):
         cancel(arrays)
 
 
-def test_a_qos_submit_limit_refuses_the_sweep_before_anything_is_submitted(tmp_path):
+@pytest.mark.parametrize("per", ["user", "account"])
+def test_a_qos_submit_limit_refuses_the_sweep_before_anything_is_submitted(tmp_path, per):
+    setting = "MaxSubmitJobsPerUser" if per == "user" else "MaxSubmitJobsPerAccount"
+
     def set_limit(limit: int) -> None:
         subprocess.run(["sacctmgr", "-i", "modify", "qos", "normal", "set",
-                        f"MaxSubmitJobsPerUser={limit}"], check=True, capture_output=True,
+                        f"{setting}={limit}"], check=True, capture_output=True,
                        timeout=TIMEOUT)
 
     before = squeue("-r", "-o", "%i")
-    mine = len(squeue("-r", "-u", getpass.getuser(), "-q", "normal", "-o", "%i"))
+    whose = (["-u", getpass.getuser()] if per == "user" else ["-A", "vision"])
+    mine = len(squeue("-r", *whose, "-q", "normal", "-o", "%i"))
     set_limit(5)
     try:
         result = subprocess.run(sweep_args(tmp_path, "cluster.detach=true", "cluster.qos=normal",
-                                           "seed=range(0,6)"),
+                                           "cluster.account=vision", "seed=range(0,6)"),
                                 cwd=PROJECT, capture_output=True, text=True, timeout=300)
     finally:
         set_limit(-1)
     assert result.returncode == 2, result.stdout + result.stderr
+    scope = "per user" if per == "user" else "for account vision"
     assert result.stderr.strip().splitlines() == [
-        f"error: QOS normal allows 5 queued jobs per user (MaxSubmitJobsPerUser); "
+        f"error: QOS normal allows 5 queued jobs {scope} ({setting}); "
         f"{mine} are queued and this sweep would add 6: submit fewer jobs (fewer sweep "
         f"values, hydra.sweeper.n_trials), wait for some to end, or ask the cluster's admins to "
         f"raise it"]
     assert squeue("-r", "-o", "%i") == before  # nothing was submitted
     assert not (tmp_path / ".submitit").exists()
+
+
+def test_max_job_count_refuses_a_sweep_the_controller_could_not_hold(composed):
+    """The controller's MaxJobCount (slurm.conf; this cluster sets none, so the limit is given
+    here): the jobs queued now, asked of the real squeue, plus the sweep's, above it."""
+    from labrun.core.errors import ConfigError
+    from labrun.core.scheduler import SlurmScheduler
+    from labrun.launch.slurm_limits import check_submission
+
+    cluster = composed("cluster=slurm_dev").cluster
+    limits = replace(SlurmScheduler().limits(), qos={})
+    queued = len(squeue("-r", "-o", "%i"))
+    check_submission([cluster] * 4, replace(limits, max_job_count=queued + 4))
+    with pytest.raises(ConfigError) as refused:
+        check_submission([cluster] * 5, replace(limits, max_job_count=queued + 4))
+    assert str(refused.value).startswith(
+        f"the controller holds at most {queued + 4} queued jobs of all users at once "
+        f"(MaxJobCount); {queued} are queued and this sweep would add 5")

@@ -4,7 +4,7 @@
     labrun bench trainer | startup | serve      (trainer.py, serve.py)
     labrun bench sweep [--jobs N]     submitting a held SLURM sweep (sweep.py)
     labrun bench dashboard [--runs N] compare and dashboard on N synthetic runs (dashboard.py)
-    labrun bench all [--check]        every benchmark with its defaults (`make bench`)
+    labrun bench all [--check] [--skip NAME]   every benchmark with its defaults (`make bench`)
 
 Each benchmark is a configure(parser) + run(args) pair, named in BENCHES by module and
 function, so a new one joins with one line and without touching the others. run(args) returns
@@ -12,7 +12,9 @@ judge(...) of its figures against its targets, which each module states once, in
 constant (a Target's `of` names the measured and baseline figures it compares); report() prints
 one table of every verdict (figure, measured, baseline, value, target, met or NOT met; `all`
 prints one table for every benchmark at the end), and with --check exits 1 when a required
-target is missed (one line per miss: benchmark, figure, measured, target).
+target is missed (one line per miss: benchmark, figure, measured, target). A benchmark that
+cannot run here returns unmeasured(...) verdicts: a required target with no figure is a miss,
+with its reason; `bench all --skip NAME` leaves it out, and the summary says so.
 
 The data benchmark is data.py; the `labrun bench` command's arguments are labrun.cli.bench.
 """
@@ -25,7 +27,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from labrun.bench.targets import Target, Verdict, judge, report  # noqa: F401 - re-exported
+from labrun.bench.targets import Target, Verdict, judge, report, unmeasured  # noqa: F401 - re-exported
 
 
 def write_json(path: str | os.PathLike | None, figures: dict) -> None:

@@ -1,18 +1,19 @@
 """`labrun bench dashboard [--runs N]`: reading a large sweep's results, on N synthetic runs.
+Each timed figure is judged as a ratio against a baseline doing the same work in the same run:
 
     compare        `labrun compare DIR --csv F`, the whole command, against reading the same
-                   files alone (summary.json, metrics.jsonl, .hydra/*.yaml) as the baseline
+                   files alone (summary.json, metrics.jsonl, .hydra/*.yaml): compare_ratio
     first write    `labrun dashboard DIR --prepare-only` on a fresh folder: every run's HParams
-                   summary written (runs/hparams.py)
+                   summary written (runs/hparams.py), against torch.utils.tensorboard's
+                   SummaryWriter writing the same HParams and scalars for the same runs, read
+                   the same way: first_write_ratio
     second start   the same again: what labrun does before the tool itself starts, every run
-                   found unchanged and skipped
+                   found unchanged and skipped, against a stat of every run's summary.json and
+                   metrics.jsonl (what telling "unchanged" needs at least): second_start_ratio
 
-Targets (issue: a file-based dashboard must stay fast on a 1,000-run sweep, where self-hosted
-UIs crawl): compare under 5 s, the first write under 10 s, a second start's work under 1 s.
-
-make_runs() writes the synthetic run folders, as finished runs leave them, and make_study() an
-Optuna sweep of them; the tests (tests/test_dashboard.py) and scripts/screenshots.sh use them
-too.
+The seconds are printed beside each ratio. make_runs() writes the synthetic run folders, as
+finished runs leave them, and make_study() an Optuna sweep of them; the tests
+(tests/test_dashboard.py) and scripts/screenshots.sh use them too.
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ from labrun.bench.targets import Target, Verdict, judge, report  # noqa: F401
 from labrun.core.files import read_jsonl
 from labrun.runs.rundir import YAML_LOADER
 
+# The old bounds in seconds (compare 5 s, first write 10 s, second start 1 s on 1,000 runs),
+# turned into ratios by the baselines measured on this machine (reading the files 0.20 s,
+# SummaryWriter 16.7 s, the stats 0.028 s), so that they keep their strength on any machine:
+# measured here 7.3, 0.16 and 3.6 (README, Benchmarks).
 DASHBOARD_TARGETS = [
-    Target("compare_s", "<", 5.0, of=("compare_s", "read_files_s")),
-    Target("first_write_s", "<", 10.0),
-    Target("second_start_s", "<", 1.0),
+    Target("compare_ratio", "<", 25.0, of=("compare_s", "read_files_s")),
+    Target("first_write_ratio", "<", 0.6, of=("first_write_s", "summary_writer_s")),
+    Target("second_start_ratio", "<", 35.0, of=("second_start_s", "stat_files_s")),
 ]
 EPOCHS = 10
 TRAIN_ROWS_AN_EPOCH = 4
@@ -72,11 +77,21 @@ def run(args: argparse.Namespace) -> list[Verdict]:
         started = time.perf_counter()
         plan = dashboard.prepare(root, port=0)
         second_s = time.perf_counter() - started
+        started = time.perf_counter()
+        stat_files(root)
+        stat_s = time.perf_counter() - started
+        started = time.perf_counter()
+        summary_writer_hparams(root, Path(tmp) / "summary_writer")
+        writer_s = time.perf_counter() - started
     figures = {"runs": args.runs, "compare_s": compare_s, "read_files_s": read_s,
-               "first_write_s": first_s, "second_start_s": second_s}
+               "compare_ratio": compare_s / read_s, "first_write_s": first_s,
+               "summary_writer_s": writer_s, "first_write_ratio": first_s / writer_s,
+               "second_start_s": second_s, "stat_files_s": stat_s,
+               "second_start_ratio": second_s / stat_s}
     print(f"{args.runs} runs: compare {compare_s:.2f} s (reading the files alone "
-          f"{read_s:.2f} s), first HParams write {first_s:.2f} s, second start {second_s:.3f} s"
-          f" ({plan.what})")
+          f"{read_s:.2f} s), first HParams write {first_s:.2f} s (SummaryWriter {writer_s:.2f} "
+          f"s), second start {second_s:.3f} s (a stat of the files {stat_s:.4f} s) "
+          f"({plan.what})")
     write_json(args.json, figures)
     return judge("dashboard", figures, DASHBOARD_TARGETS)
 
@@ -89,6 +104,42 @@ def read_files(root: Path) -> int:
         count += len(read_jsonl(run_dir / "metrics.jsonl"))
         yaml.load((run_dir / ".hydra" / "overrides.yaml").read_text(), Loader=YAML_LOADER)
     return count
+
+
+def stat_files(root: Path) -> None:
+    """The second start's baseline: a stat of every run's summary.json and metrics.jsonl, the
+    least that telling an unchanged run from a changed one takes."""
+    from labrun.runs.rundir import RunDir
+
+    for run_dir in root.iterdir():
+        if run_dir.name.startswith("."):
+            continue
+        RunDir(run_dir).summary_path.stat()
+        RunDir(run_dir).metrics_path.stat()
+
+
+def summary_writer_hparams(root: Path, out: Path) -> None:
+    """The first write's baseline: the runs read as labrun reads them (compare.rank), then
+    torch.utils.tensorboard's SummaryWriter writing each run's scalars and its HParams (the
+    same keys, values, status and best/final metric as runs/hparams.py writes)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from labrun.runs import compare, hparams
+    from labrun.runs.rundir import ROW_BOOKKEEPING, is_metric_value
+
+    ranked = compare.rank(compare.find_runs([root]), None)
+    numeric = hparams.numeric_keys(ranked.runs, ranked.keys)
+    for one in ranked.runs:
+        with SummaryWriter(out / one.name) as writer:
+            for row in one.history:
+                for tag, value in row.items():
+                    if tag not in ROW_BOOKKEEPING and is_metric_value(value):
+                        writer.add_scalar(tag, float(value), row.get("step"))
+            metrics = {tag: value for tag, value in zip(
+                hparams.metric_tags(ranked.metric), (one.best, one.final), strict=True)
+                if value is not None}
+            writer.add_hparams(hparams.session_hparams(one, ranked.keys, numeric), metrics,
+                               run_name=".")
 
 
 def make_runs(root: Path, count: int, seed: int = 0) -> list[Path]:

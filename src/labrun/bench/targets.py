@@ -45,6 +45,8 @@ class Verdict:
     measured: float
     # The figures named by target.of, for the table.
     figures: Mapping[str, float] = field(default_factory=dict, compare=False)
+    # Why there is no figure (the benchmark could not run here): a required target is missed.
+    reason: str = ""
 
     @property
     def met(self) -> bool:
@@ -64,6 +66,13 @@ def judge(bench: str, figures: Mapping[str, float], targets: Iterable[Target]) -
     return [Verdict(bench, target, float(figures[target.figure]),
                     {name: float(figures[name]) for name in target.of or ()})
             for target in targets]
+
+
+def unmeasured(bench: str, targets: Iterable[Target], reason: str) -> list[Verdict]:
+    """The verdicts of a benchmark that could not run here: no figure, so every required
+    target is missed, with `reason`; leaving it out is the caller's choice (`--skip NAME`)."""
+    return [Verdict(bench, target, math.nan, dict.fromkeys(target.of or (), math.nan),
+                    reason=reason) for target in targets]
 
 
 def number(value: float) -> str:
@@ -97,9 +106,11 @@ def table(verdicts: list[Verdict]):
     return grid
 
 
-def report(verdicts: list[Verdict], check: bool) -> int:
-    """Print the table of every verdict, then (with check) one line per missed required target.
-    Exit status: 1 when checking and a required target is missed, else 0."""
+def report(verdicts: list[Verdict], check: bool, skipped: Iterable[str] = ()) -> int:
+    """Print the table of every verdict, then (with check) one line per missed required target
+    (one not measured among them, with why). `skipped`: the benchmarks left out on the command
+    line, which the summary names. Exit status: 1 when checking and a required target is
+    missed, else 0."""
     from rich.console import Console
 
     console = Console(soft_wrap=True, highlight=False)
@@ -110,8 +121,14 @@ def report(verdicts: list[Verdict], check: bool) -> int:
     if not check:
         return 0
     for verdict in missed:
-        print(f"target missed: {verdict.bench} {verdict.target.figure}: measured "
-              f"{verdict.measured:.3g}, target {verdict.target.op} {verdict.target.bound:g}")
+        target = verdict.target
+        measured = (f"not measured ({verdict.reason})" if verdict.reason
+                    else f"measured {verdict.measured:.3g}")
+        print(f"target missed: {verdict.bench} {target.figure}: {measured}, target "
+              f"{target.op} {target.bound:g}")
+    left_out = f"; left out on the command line: {', '.join(skipped)}" if skipped else ""
     if not missed:
-        print(f"all {sum(v.target.required for v in verdicts)} required targets met")
+        print(f"all {sum(v.target.required for v in verdicts)} required targets met{left_out}")
+    elif left_out:
+        print(left_out[2:])
     return 1 if missed else 0

@@ -19,6 +19,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     every = sub.add_parser("all", help="every benchmark above, with its defaults "
                                        "(`make bench` runs `all --check`)")
     every.add_argument("--check", action="store_true", help=CHECK_HELP)
+    every.add_argument("--skip", action="append", default=[], choices=list(BENCHES),
+                       metavar="NAME", help="leave benchmark NAME out (one that cannot run "
+                                            "here, such as sweep without a SLURM cluster); "
+                                            "the summary names it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,10 +30,13 @@ def run(args: argparse.Namespace) -> int:
         return report(bench(args.bench)[1](args), args.check)
     verdicts = []
     for name in BENCHES:
+        if name in args.skip:
+            print(f"== labrun bench {name}: left out (--skip {name})", flush=True)
+            continue
         configure_bench, run_bench = bench(name)
         defaults = argparse.ArgumentParser()
         configure_bench(defaults)
         print(f"== labrun bench {name}", flush=True)
         verdicts += run_bench(defaults.parse_args([]))
     print("== every benchmark's figures against its baseline and target", flush=True)
-    return report(verdicts, args.check)
+    return report(verdicts, args.check, skipped=args.skip)

@@ -18,7 +18,6 @@ not, and lets a resumed run continue mid-epoch with exactly the same batches.
 from __future__ import annotations
 
 import math
-import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -100,21 +99,11 @@ class Data:
                             pin_memory=pin_memory and not batched_decode,
                             prefetch_factor=4 if workers > 0 else None,
                             collate_fn=batched.collate if batched_decode else None,
-                            generator=torch.Generator().manual_seed(seed),
-                            worker_init_fn=ignore_stop_signals if workers > 0 else None)
+                            generator=torch.Generator().manual_seed(seed))
         if not batched_decode:
             return loader
         decoder = batched.BatchDecoder(images, batched.decode_device(decode))
         return batched.DecodedLoader(loader, decoder)
-
-
-def ignore_stop_signals(worker_id: int) -> None:
-    """In each DataLoader worker: SIGTERM and SIGUSR2 are the training process's to handle (a
-    checkpoint, then it ends its workers). SLURM sends them to every process of a job step
-    (scancel, a preemption's USR2), and a worker they killed would fail the run before its
-    checkpoint ("DataLoader worker ... is killed by signal")."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def build(cfg: DictConfig) -> Data:

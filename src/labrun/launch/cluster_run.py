@@ -151,7 +151,7 @@ def follow(launcher: sweep.SweepLauncher, job: Job) -> int:
             + f"; to continue it: labrun resume {job.dir}")
         return EXIT_INTERRUPTED
     log_tail.show()
-    read_result(ended)
+    launcher.read_results([ended])
     launcher.record([ended])
     if ended.state in ("completed", "pruned"):
         return 0

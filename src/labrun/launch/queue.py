@@ -20,18 +20,8 @@ from typing import Any
 
 from labrun.core import probes
 from labrun.core.errors import LabrunError
-from labrun.core.scheduler.slurm import SlurmScheduler
+from labrun.core.scheduler.slurm import SlurmScheduler, gpus_in_tres
 from labrun.launch import SLURM_COMMENT_PREFIX
-
-
-def gpus_of(tres: str) -> int:
-    """GPUs in a TRES string such as `cpu=16,mem=64G,node=1,billing=16,gres/gpu=2`."""
-    total = 0
-    for item in tres.split(","):
-        key, _, value = item.partition("=")
-        if key == "gres/gpu" and value.isdigit():  # gres/gpu:a100=2 is the same GPUs again
-            total += int(value)
-    return total
 
 
 def collect(user: str) -> dict[str, Any]:
@@ -49,13 +39,14 @@ def collect(user: str) -> dict[str, Any]:
     by_account: Counter[str] = Counter()
     for job in all_jobs:
         if job["State"] == "RUNNING":
-            gpus = gpus_of(job["tres-alloc"])
+            gpus = gpus_in_tres(job["tres-alloc"])
             by_user[job["UserName"]] += gpus
             by_account[job["Account"]] += gpus
     sweeps: dict[str, Counter[str]] = defaultdict(Counter)
     for job in all_jobs:
         if job["UserName"] == user and job["Comment"].startswith(SLURM_COMMENT_PREFIX):
-            sweeps[job["Comment"][len(SLURM_COMMENT_PREFIX):]][job["State"].lower()] += 1
+            sweeps[job["Comment"][len(SLURM_COMMENT_PREFIX):]][job["State"].lower()] += \
+                job["Count"]
     return {
         "gpus_in_use": {"by_user": dict(by_user), "by_account": dict(by_account)},
         "fair_share": [asdict(share) for share in shares],
@@ -90,11 +81,13 @@ def show(view: dict[str, Any]) -> None:
     console.print(shares)
 
     pending = Table(title="Pending jobs, highest priority first")
-    for column in ("job", "user", "account", "qos", "priority", "reason", "expected start"):
+    for column in ("job", "jobs", "GPUs", "user", "account", "qos", "priority", "reason",
+                   "expected start"):
         pending.add_column(column)
     for row in view["pending"]:
-        pending.add_row(row["job_id"], row["user"], row["account"], row["qos"],
-                        str(row["priority"]), row["reason"], row["expected_start"])
+        pending.add_row(row["job_id"], str(row["jobs"]), str(row["gpus"]), row["user"],
+                        row["account"], row["qos"], str(row["priority"]), row["reason"],
+                        row["expected_start"])
     console.print(pending)
 
     sweeps = Table(title=f"labrun sweeps of {view['user']}")

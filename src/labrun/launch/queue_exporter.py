@@ -39,8 +39,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from labrun.core import probes
-from labrun.core.scheduler.slurm import SlurmScheduler
-from labrun.launch.queue import gpus_of
+from labrun.core.scheduler.slurm import SlurmScheduler, gpus_in_tres
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +101,10 @@ def query(scheduler: SlurmScheduler) -> Snapshot:
     snapshot = Snapshot(up=True, at=now)
     for job in jobs:
         labels = (job["Partition"], job["Account"], job["UserName"], job["QOS"])
-        gpus = gpus_of(job["tres-alloc"])  # a pending job's: what it asks for
-        if job["State"] == "PENDING":
-            snapshot.pending[labels] += 1
-            snapshot.pending_gpus[labels] += gpus
+        gpus = gpus_in_tres(job["tres-alloc"])  # a pending job's: what it asks for
+        if job["State"] == "PENDING":  # a job array's row: each of its waiting tasks
+            snapshot.pending[labels] += job["Count"]
+            snapshot.pending_gpus[labels] += gpus * job["Count"]
             submit = submitted_at(job.get("SubmitTime", ""))
             if submit is not None:
                 partition = job["Partition"]

@@ -167,13 +167,22 @@ class SweepLauncher(Launcher):
             ended = [job for job in jobs if job.state == "skipped"]
             ended += self.ended([job for job in jobs if job.state != "skipped"])
             if ended:
+                self.read_results(ended)
                 for job in ended:
-                    read_result(job)
                     log.info("job %d %s", job.num, job.state)
                 self.record(ended)  # `labrun status` sees them
                 return ended
             time.sleep(interval)
             interval = min(interval * 1.5, self.POLL_MAX_S or self.POLL_S)
+
+    def read_results(self, ended: list[Job]) -> None:
+        """Each ended job's result from its run folder. `labrun cancel` from another terminal
+        records itself in jobs.json: a job it stopped ends cancelled, not interrupted."""
+        recorded = SweepDir(self.sweep_dir).earlier_jobs()
+        for job in ended:
+            if job.num in recorded and job.job_id == recorded[job.num].job_id:
+                job.cancelled_at = job.cancelled_at or recorded[job.num].cancelled_at
+            read_result(job)
 
     def _attach(self, jobs: list[Job]) -> list[Job]:
         attached = attach(self.scheduler(), jobs, self.sweep_dir)

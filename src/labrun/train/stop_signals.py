@@ -35,6 +35,13 @@ class StopSignals:
         def handler(signum, frame):
             if self.signum is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
+            if signum != signal.SIGINT:
+                # SLURM sends SIGTERM (scancel) and USR2 (a preemption's notice) to every
+                # process of the job step, the DataLoader workers too, which they kill; torch's
+                # SIGCHLD handler would then raise "DataLoader worker ... is killed by signal"
+                # here, failing the run before its checkpoint. The step's batch is in hand and
+                # the run stops at a step boundary: the workers' deaths no longer matter.
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             self.signum = signum
             log.info(f"{signal.Signals(signum).name}: stopping after this step with a "
                      f"checkpoint")

@@ -93,6 +93,8 @@ class PendingJob:
     reason: str  # why it waits: Priority, Resources, JobHeldUser, QOSMaxSubmitJobPerUser...
     expected_start: str  # "N/A" when the scheduler cannot tell
     name: str
+    jobs: int = 1  # how many jobs the row stands for: a waiting job array's every task
+    gpus: int = 0  # the GPUs they ask for, all of them together
 
 
 class Scheduler(Protocol):

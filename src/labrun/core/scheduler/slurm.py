@@ -15,6 +15,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from labrun.core import probes
 from labrun.core.scheduler.base import (
@@ -35,7 +36,7 @@ RECORDED = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_
 PROBE_PORT = 6817
 # The fields of every job `labrun queue` reads (squeue -O).
 JOB_FIELDS = ["JobID", "UserName", "Account", "QOS", "State", "tres-alloc", "Reason", "SubmitTime",
-              "PriorityLong", "Comment", "Name", "Partition"]
+              "PriorityLong", "Comment", "Name", "Partition", "ArrayTaskID"]
 DOWN_STATES = "down,drain,draining,fail,no_respond"
 # Every SLURM command labrun runs (here, and submitit's sbatch), for tools that count them
 # (`labrun bench sweep`'s shims).
@@ -72,6 +73,26 @@ def gpus_in_gres(gres: str) -> int:
     before "("."""
     counts = [g.split("(")[0].rsplit(":", 1)[-1] for g in gres.split(",") if g.startswith("gpu")]
     return sum(int(c) for c in counts if c.isdigit())
+
+
+def gpus_in_tres(tres: str) -> int:
+    """GPUs in a TRES string such as `cpu=16,mem=64G,node=1,billing=16,gres/gpu=2`."""
+    total = 0
+    for item in tres.split(","):
+        key, _, value = item.partition("=")
+        if key == "gres/gpu" and value.isdigit():  # gres/gpu:a100=2 is the same GPUs again
+            total += int(value)
+    return total
+
+
+def array_tasks(task_ids: str) -> int:
+    """How many jobs a row of squeue stands for, from its ArrayTaskID: 0-5,9%2 is seven
+    waiting array tasks (the %2 is the array's limit of running ones); one task's number, or
+    N/A (no array), one."""
+    tasks = re.sub(r"%\d+$", "", task_ids.strip())
+    if not re.fullmatch(r"[\d,-]+", tasks):
+        return 1
+    return len(hostnames(f"t[{tasks}]"))
 
 
 def _count(text: str) -> int:
@@ -307,10 +328,15 @@ class SlurmScheduler:
 
     # -- the queue (`labrun queue`) ------------------------------------------------------------
 
-    def queue_jobs(self) -> list[dict[str, str]]:
-        """Every job in the queue, with the JOB_FIELDS (squeue -O names)."""
+    def queue_jobs(self) -> list[dict[str, Any]]:
+        """Every job in the queue, with the JOB_FIELDS (squeue -O names) and "Count": the jobs
+        the row stands for (squeue shows a job array's waiting tasks as one row, ArrayTaskID
+        0-5%2: six jobs, each asking for the row's resources)."""
         rows = self._rows("squeue", "-h", "-O", ",".join(f"{f}:|" for f in JOB_FIELDS))
-        return [dict(zip(JOB_FIELDS, row, strict=False)) for row in rows]
+        jobs = [dict(zip(JOB_FIELDS, row, strict=False)) for row in rows]
+        for job in jobs:
+            job["Count"] = array_tasks(job.get("ArrayTaskID", ""))
+        return jobs
 
     def pending(self, jobs: list[dict[str, str]] | None = None) -> list[PendingJob]:
         """`jobs`: queue_jobs() when the caller has it already (one squeue fewer)."""
@@ -321,7 +347,8 @@ class SlurmScheduler:
                   if len(row) == 2}
         waiting = [PendingJob(j["JobID"], j["UserName"], j["Account"], j["QOS"],
                               int(j["PriorityLong"] or 0), j["Reason"],
-                              starts.get(j["JobID"], "N/A"), j["Name"])
+                              starts.get(j["JobID"], "N/A"), j["Name"], j["Count"],
+                              gpus_in_tres(j["tres-alloc"]) * j["Count"])
                    for j in jobs if j["State"] == "PENDING"]
         return sorted(waiting, key=lambda p: -p.priority)
 
