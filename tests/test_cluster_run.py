@@ -126,6 +126,10 @@ def test_a_single_run_goes_to_the_cluster_and_reports_back_like_a_local_run(tmp_
     status = subprocess.run([LABRUN, "status", str(run_dir)], capture_output=True, text=True,
                             timeout=120, cwd=PROJECT)
     assert status.stdout.startswith(f"run {run_dir}"), status.stdout
+    # `labrun rerun` of it goes to the cluster again: the command it prints is the one typed.
+    rerun = subprocess.run([LABRUN, "rerun", str(run_dir)], capture_output=True, text=True,
+                           timeout=120, cwd=PROJECT)
+    assert rerun.stdout.split()[1:3] == [str(PROJECT / "train.py"), "cluster=slurm_dev"], rerun
     # `labrun dashboard RUN_DIR` takes it too (its files beside the run's, in .dashboard/).
     from labrun.runs import dashboard
 

@@ -537,3 +537,24 @@ def test_cancel_of_a_running_job_lets_it_save_a_checkpoint(tmp_path):
     summary = read_summary(run)
     assert summary["status"] == "interrupted", summary
     assert (run / "checkpoints" / f"step-{summary['step']:08d}.pt").is_file()
+
+
+def test_cancel_stops_a_detached_studys_controller(tmp_path):
+    """`labrun cancel` of a detached study: its controller (held here, so that it submits no
+    trial) is cancelled and recorded so; `labrun status` then says so without asking SLURM."""
+    result = run_sweep(tmp_path, "hparams_search=optuna", "cluster.detach=true",
+                       "+cluster.extra_sbatch.hold=true", "hydra.sweeper.n_trials=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    controller = manifest(tmp_path)["controller"]["job_id"]
+    try:
+        cancel = subprocess.run([LABRUN, "cancel", str(tmp_path)], capture_output=True,
+                                text=True, timeout=120)
+        assert cancel.returncode == 0, cancel.stderr
+    finally:
+        subprocess.run(["scancel", controller], timeout=30)
+    record = manifest(tmp_path)["controller"]
+    assert record["state"] == "cancelled" and record["cancelled_at"] is not None, record
+    assert sacct_state(controller).startswith("CANCELLED")
+    status = subprocess.run([LABRUN, "status", str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    assert f"controller: SLURM job {controller}, cancelled" in status.stdout, status.stdout

@@ -97,10 +97,10 @@ held.release()
                                                                         [])
     finally:
         holder.communicate("", timeout=30)
-    # Released: the job has ended, its state is its summary's (here: none written, failed).
+    # Released: the job has ended, its state is its record's (no summary written: failed).
     assert run_lock.live_holder(run_dir.lock_path) is None
     jobs, _ = status.sweep_jobs(tmp_path)
-    assert jobs[0].state != "running"
+    assert jobs[0].state == "failed"
 
 
 def test_the_table_prints_overrides_and_paths_as_written_not_as_markup(tmp_path):

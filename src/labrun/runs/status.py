@@ -161,8 +161,23 @@ def study_lines(path: Path) -> list[str]:
     storage = optuna.storages.get_storage(open_storage(study_record["storage"]))
     try:
         study = optuna.load_study(study_name=study_record["name"], storage=storage)
-    except KeyError:
-        return [f"study {study_record['name']}: no trial yet"]
+    except KeyError:  # not created yet: a detached study's controller has not started
+        lines = [f"study {study_record['name']}: no trial yet"]
+    else:
+        lines = study_progress(study, study_record)
+    controller = manifest.get("controller")
+    if controller:
+        state = controller.get("state", "")
+        if state != "cancelled":
+            state = scheduler_states(manifest, [controller["job_id"]]).get(
+                controller["job_id"], state)
+        lines.append(f"controller: SLURM job {controller['job_id']}, {state} "
+                     f"(log {controller['log']})")
+    return lines
+
+
+def study_progress(study: Any, study_record: dict[str, Any]) -> list[str]:
+    """The study's trials by state, and the best so far with its parameters."""
     counts: dict[str, int] = {}
     for trial in study.get_trials(deepcopy=False):
         counts[trial.state.name.lower()] = counts.get(trial.state.name.lower(), 0) + 1
@@ -176,14 +191,6 @@ def study_lines(path: Path) -> list[str]:
         lines.append(f"best so far: trial {best.number}, {best.value:.4g} with {params}")
     except ValueError:  # no trial completed yet
         lines.append("best so far: none (no trial completed yet)")
-    controller = manifest.get("controller")
-    if controller:
-        state = controller.get("state", "")
-        if state != "cancelled":
-            state = scheduler_states(manifest, [controller["job_id"]]).get(
-                controller["job_id"], state)
-        lines.append(f"controller: SLURM job {controller['job_id']}, {state} "
-                     f"(log {controller['log']})")
     return lines
 
 
