@@ -57,7 +57,8 @@ def test_the_job_mounts_its_code_sweep_and_data_folders_once(composed, tmp_path)
     data = tmp_path / "data"
     (data / "train").mkdir(parents=True)
     config = composed(*LAB, "dataset=imagefolder", "dataset.root=data/train",
-                      "cluster.container.mounts=[/opt/lab,/opt/lab/cache]")
+                      "cluster.container.mounts=[/opt/lab,/opt/lab/cache]",
+                      f"paths.scratch_dir={tmp_path}/no-scratch")  # not the machine's own
     binds = container.mounts(config.cluster, config, Path("/code/snap"), tmp_path / "sweep",
                              str(tmp_path))
     # The relative data folders from the submitting folder (paths.data_dir=data holds
