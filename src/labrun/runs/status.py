@@ -248,16 +248,12 @@ def needing_a_look(jobs: list[Job]) -> list[Job]:
                    and job.state.split(" (")[0] not in FINISHED]
     running = [job for job in jobs if job.state.split(" (")[0] == "running"]
     done = [job for job in jobs if job.state in FINISHED and job.metric is not None]
-    mode = job_mode(done[0]) if done else "max"
+    # The monitor's direction, as the runs' summaries record it (one for the whole sweep).
+    mode = done[0].run_dir.read_summary().get("mode", "max") if done else "max"
     best = sorted(done, key=lambda job: job.metric, reverse=mode == "max")
     shown = {job.num: job for job in [*ended_badly[:LOOK_ROWS], *running[:LOOK_ROWS],
                                       *best[:LOOK_ROWS]]}
     return [shown[num] for num in sorted(shown)]
-
-
-def job_mode(job: Job) -> str:
-    """max or min: how the job's monitor ranks (its summary, or its saved config)."""
-    return job.run_dir.read_summary().get("mode") or "max"
 
 
 def disk_line(path: Path) -> str:
