@@ -6,6 +6,7 @@ in flight, and requests no node can satisfy."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -405,7 +406,36 @@ def test_an_optuna_study_keeps_n_jobs_trials_in_flight_each_its_own_job(tmp_path
         assert f"optimizer.lr={trial.params['optimizer.lr']}" in row["overrides"]
 
 
-def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_it(tmp_path):
+def usr2_before_the_time_limit(controller: str) -> str | None:
+    """What SLURM sends a job whose time limit nears (submitit's --signal=USR2@90): submitit
+    checkpoints the controller and requeues it. No node to bring back."""
+    subprocess.run(["scancel", "--signal=USR2", controller], check=True, timeout=30)
+    return None
+
+
+def its_node_fails(controller: str) -> str | None:
+    """Every process of the controller's node killed, slurmd and the job's step with it, as
+    when a node dies (test_cluster_lab's NodeFailure): SLURM requeues the job once the node
+    stops answering (SlurmdTimeout). Returns the node, which the test brings back."""
+    node = subprocess.run(["squeue", "-h", "-j", controller, "-o", "%N"], capture_output=True,
+                          text=True, check=True, timeout=30).stdout.strip()
+    assert node in ("node1", "node2", "node3"), node
+    pids = subprocess.run(["ip", "netns", "pids", f"labrun-{node}"], capture_output=True,
+                          text=True, check=True, timeout=30).stdout.split()
+    for pid in pids:
+        subprocess.run(["kill", "-KILL", pid], check=False)
+    return node
+
+
+def restart_node(node: str) -> None:
+    subprocess.run(["bash", str(PROJECT / "scripts" / "slurm_up.sh"), "--restart-node", node],
+                   check=True, capture_output=True, timeout=180)
+
+
+@pytest.mark.parametrize("requeue", [usr2_before_the_time_limit, its_node_fails],
+                         ids=["usr2", "node_failure"])
+def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_it(tmp_path,
+                                                                                  requeue):
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -425,8 +455,9 @@ def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_i
     for field in ("Partition=dev", "TimeLimit=00:25:00", "NumCPUs=2"):
         assert re.search(rf"\b{field}\b", shown), (field, shown)
     # The terminal is gone (the command returned). Mid-study, while trial 1 trains, the
-    # controller is requeued (a preemption would do the same): submission, start-up and a
-    # trial, under two minutes loaded; 300 s only stops a hang.
+    # controller is requeued: by USR2 before its time limit, or by its node failing (where
+    # trial 1's job may run too: then SLURM requeues that job as well). Submission, start-up
+    # and a trial: under two minutes loaded; 300 s only stops a hang.
     # Trial 1 is held still (SIGSTOP; SLURM still runs it) from the moment its run-folder lock
     # names it (before its data loads) until the requeued controller has attached to it: a
     # trial that ended meanwhile is only told, not attached to, and a trial of 6 steps trains
@@ -437,17 +468,28 @@ def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_i
         time.sleep(0.02)
     trial = holder_pid(tmp_path / "1")
     freeze_outside_the_journal_lock(trial, tmp_path / "optuna.journal")
+    failed_node = None
     try:
-        subprocess.run(["scontrol", "requeue", controller], check=True, timeout=30)
+        failed_node = requeue(controller)
         log = Path(manifest(tmp_path)["controller"]["log"])
-        # The requeued controller starts again: seconds, a minute loaded; 300 s: a hang.
+        # The requeued controller starts again: seconds after USR2, SlurmdTimeout (20 s) and
+        # a start after a node failure; 300 s: a hang.
         deadline = time.time() + 300
         while "continuing study train: 1 trials finished, 1 running" not in log.read_text():
             assert time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
     finally:
-        os.kill(trial, signal.SIGCONT)
-    assert sacct_state(controller) == "COMPLETED"  # waits for the study to end
+        with contextlib.suppress(ProcessLookupError):  # gone with its node
+            os.kill(trial, signal.SIGCONT)
+    try:
+        assert sacct_state(controller) == "COMPLETED"  # waits for the study to end
+    finally:
+        if failed_node is not None:
+            restart_node(failed_node)
+    # SLURM ran it twice: the attempt it requeued, then the one that completed.
+    attempts = subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-o", "State", "-j", controller],
+                              capture_output=True, text=True, timeout=30).stdout.split()
+    assert len(attempts) == 2 and attempts[-1] == "COMPLETED", attempts
     storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
     trials = optuna.load_study(study_name="train", storage=storage).trials
     # Every trial number ended exactly once: none failed and was tried again, none ran twice.
@@ -539,22 +581,41 @@ def test_cancel_of_a_running_job_lets_it_save_a_checkpoint(tmp_path):
     assert (run / "checkpoints" / f"step-{summary['step']:08d}.pt").is_file()
 
 
-def test_cancel_stops_a_detached_studys_controller(tmp_path):
-    """`labrun cancel` of a detached study: its controller (held here, so that it submits no
-    trial) is cancelled and recorded so; `labrun status` then says so without asking SLURM."""
+def test_cancel_stops_a_detached_studys_controller_first_then_its_trial(tmp_path):
+    """`labrun cancel` of a detached study while a trial trains: the controller is cancelled
+    first, so that it cannot start another trial once the one in flight ends (failures are
+    allowed here, so a live controller would go on); then the trial, which saves a checkpoint.
+    `labrun status` then says so without asking SLURM."""
     result = run_sweep(tmp_path, "hparams_search=optuna", "cluster.detach=true",
-                       "+cluster.extra_sbatch.hold=true", "hydra.sweeper.n_trials=2")
+                       "hydra.sweeper.n_trials=3", "hydra.sweeper.max_failure_rate=1.0",
+                       "trainer.max_epochs=500", "checkpoint.every_n_steps=5")
     assert result.returncode == 0, result.stdout + result.stderr
     controller = manifest(tmp_path)["controller"]["job_id"]
+    trial = tmp_path / "0"
+    deadline = time.time() + 300  # the controller queued and started, the trial too, 5 steps
+    while not (trial / "checkpoints" / "step-00000005.pt").is_file():
+        assert time.time() < deadline, Path(manifest(tmp_path)["controller"]["log"]).read_text()
+        time.sleep(0.5)
     try:
         cancel = subprocess.run([LABRUN, "cancel", str(tmp_path)], capture_output=True,
                                 text=True, timeout=120)
         assert cancel.returncode == 0, cancel.stderr
+        assert cancel.stdout.strip() == f"cancelled 1 jobs of {tmp_path}: 0", cancel.stdout
     finally:
         subprocess.run(["scancel", controller], timeout=30)
-    record = manifest(tmp_path)["controller"]
-    assert record["state"] == "cancelled" and record["cancelled_at"] is not None, record
     assert sacct_state(controller).startswith("CANCELLED")
+    record, rows = manifest(tmp_path)["controller"], manifest(tmp_path)["jobs"]
+    assert record["state"] == "cancelled", record
+    assert [(row["num"], row["state"]) for row in rows] == [(0, "cancelled")], rows
+    assert record["cancelled_at"] <= rows[0]["cancelled_at"]  # the controller first
+    assert sacct_state(rows[0]["job_id"]).startswith("CANCELLED")
+    summary = read_summary(trial)
+    assert summary["status"] == "interrupted", summary
+    assert (trial / "checkpoints" / f"step-{summary['step']:08d}.pt").is_file()
+    # The controller has ended (above): it started no trial after the one cancelled.
+    assert not (tmp_path / "1").exists()
     status = subprocess.run([LABRUN, "status", str(tmp_path)], capture_output=True, text=True,
                             timeout=120)
     assert f"controller: SLURM job {controller}, cancelled" in status.stdout, status.stdout
+
+

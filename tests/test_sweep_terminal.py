@@ -126,6 +126,42 @@ def test_an_optuna_trial_starts_as_soon_as_a_slot_frees_not_when_its_batch_ends(
     assert [row["state"] for row in rows] == ["completed"] * 3
 
 
+# The seeded sampler's first draws (TPE, seed=0): trial 0 trains with lr 0.05, trial 1 with
+# lr 1e30, whose loss is no longer finite after a step, so trial 1 fails.
+FAILING = ["hparams_search=optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
+           "cluster.max_parallel=2", "hydra.sweeper.max_failure_rate=0.0",
+           "optimizer.lr=choice(1e30,0.05)", "optimizer.weight_decay=0.0"]
+
+
+def test_above_max_failure_rate_no_trial_starts_the_one_in_flight_finishes_and_it_fails(
+        tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = [PYTHON, "train.py", "-m", *FAST, *TINY, *FAILING, f"hydra.sweep.dir={sweep_dir}"]
+    output = tmp_path / "study.log"
+    with open(output, "w") as out:
+        study = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT)
+    # Trial 0 is held still from the moment its lock names it until the study has judged
+    # trial 1's failure: it is in flight when the rate is crossed, whatever the machine's
+    # speed. Start-up: under a minute loaded; 300 s only stops a hang.
+    wait_for_file(sweep_dir / "0" / ".lock", output, study, timeout=300)
+    in_flight = holder_pid(sweep_dir / "0")
+    freeze_outside_the_journal_lock(in_flight, sweep_dir / "optuna.journal")
+    try:
+        wait_for_text(output, "stopping the study: 1 of 1 trials failed", study, timeout=300)
+    finally:
+        os.kill(in_flight, signal.SIGCONT)
+    assert study.wait(timeout=300) != 0, output.read_text()  # the command fails
+    text = output.read_text()
+    assert ("error: 1 of 1 trials failed (hydra.sweeper.max_failure_rate=0.0); first: job 1 "
+            "failed: NonFiniteLoss" in text), text[-3000:]
+    # The trial in flight finished; no trial was asked for after the failure.
+    assert read_summary(sweep_dir / "0")["status"] == "completed"
+    assert read_summary(sweep_dir / "1")["status"] == "failed"
+    assert not (sweep_dir / "2").exists() and not (sweep_dir / "3").exists()
+    assert [(row["num"], row["state"]) for row in manifest(sweep_dir)["jobs"]] == [
+        (0, "completed"), (1, "failed")]
+
+
 def test_labrun_cancel_stops_a_local_sweeps_job_with_a_checkpoint(tmp_path):
     """`labrun cancel SWEEP_DIR` from another terminal: the local job gets SIGTERM through its
     controller, saves a checkpoint and ends interrupted; the launcher ends with the sweep."""

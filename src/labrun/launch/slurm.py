@@ -327,6 +327,10 @@ class StudyController:
         code = subprocess.run([sys.executable, "train.py", "-m", *self.argv], cwd=self.cwd,
                               env=SlurmScheduler.outside_job(os.environ),
                               check=False).returncode
+        if code < 0:
+            # Stopped by a signal from outside (scancel: `labrun cancel` records "cancelled"
+            # itself), not a failure of the study's: recording one would overwrite that.
+            return code
         # Its end, in jobs.json too: what `labrun status` says once SLURM has forgotten it.
         SweepDir(self.sweep_dir).update_controller(
             state="completed" if code == 0 else "failed", ended_at=time.time())
