@@ -20,22 +20,23 @@ from labrun.core.errors import ConfigError
 # Two optimizer steps and a few validation batches: enough for every metric to be logged.
 SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=2"]
 
-# A lab's own code: a task from before metric_names, and a dataset loader that must not run.
+# A lab's own code: a task that declares no metric_names, and a dataset loader that must not run.
 LAB_MODULE = textwrap.dedent('''
     import torch
     import torch.nn.functional as F
 
+    from labrun.train.task import Classification
 
-    class Undeclared:
+    class Undeclared(Classification):
         """A plug-in task that reports val/xent but declares no metric_names."""
 
         num_sums = 2
+        metric_names = None
 
-        def training_loss(self, logits, labels):
-            return F.cross_entropy(logits, labels)
-
-        def eval_sums(self, logits, labels):
-            return torch.stack([F.cross_entropy(logits.float(), labels, reduction="sum"),
+        def eval_sums(self, model, batch):
+            images, labels = batch
+            logits = model(images).float()
+            return torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
                                 torch.tensor(float(len(labels)), device=logits.device)])
 
         def eval_metrics(self, sums, split):

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import read_metrics, read_summary, run_train
+from conftest import PROJECT, read_metrics, read_summary, run_train
 
 # A lab's own code, outside labrun: written into a folder that goes on the path.
 LAB_MODULE = textwrap.dedent('''
@@ -182,3 +182,32 @@ def test_checkpoint_holds_exactly_the_typed_keys(digits_run):
 
     state = load(digits_run / "checkpoints" / "last.pt")
     assert set(state) == CheckpointState.__required_keys__ | CheckpointState.__optional_keys__
+
+
+def docs_block(heading: str, language: str) -> str:
+    """The first ```language block under `heading` in docs/plugins.md, as a reader copies it."""
+    text = (PROJECT / "docs" / "plugins.md").read_text()
+    section = text[text.index(heading):]
+    body = section[section.index(f"```{language}\n") + len(language) + 4:]
+    return textwrap.dedent(body[:body.index("```")])
+
+
+def test_the_task_recipe_of_the_plugins_page_trains_as_written(tmp_path):
+    """docs/plugins.md "Add a task": its class in the lab's package (mylab/tasks.py), its YAML
+    in the lab's own config folder (on Hydra's search path), chosen with task=NAME."""
+    (tmp_path / "mylab").mkdir()
+    (tmp_path / "mylab" / "__init__.py").write_text("")
+    (tmp_path / "mylab" / "tasks.py").write_text(docs_block("## Add a task", "python"))
+    (tmp_path / "conf" / "task").mkdir(parents=True)
+    (tmp_path / "conf" / "task" / "label_smoothing.yaml").write_text(
+        docs_block("`conf/task/label_smoothing.yaml`", "yaml"))
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    short = ["trainer.max_epochs=1", "trainer.limit_train_batches=2",
+             "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1"]
+    run_train(f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "task=label_smoothing", *short,
+              run_dir=tmp_path / "smoothed", env=env)
+    run_train(*short, run_dir=tmp_path / "plain")
+    assert read_summary(tmp_path / "smoothed")["status"] == "completed"
+    # The same first batch and weights: only the loss differs, by the smoothing.
+    first = [read_metrics(tmp_path / name)[0]["train/loss"] for name in ("smoothed", "plain")]
+    assert first[0] != first[1], first

@@ -101,7 +101,7 @@ def test_channels_last_reaches_every_convolution_in_training(composed, tmp_path,
                 module.register_forward_pre_hook(record)
         return model
 
-    monkeypatch.setattr(run.models, "build", build_with_hooks)
+    monkeypatch.setattr(models, "build", build_with_hooks)
     cfg = composed("trainer.channels_last=true", "trainer.max_epochs=1", "logger=none",
                    "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
                    "dataset.num_workers=0", "trainer.progress=none")

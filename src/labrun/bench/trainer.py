@@ -166,7 +166,7 @@ def run_trainer(args: argparse.Namespace) -> list[Verdict]:
         session = _session(args, Path(tmp))
         bare = torchvision.models.get_model(args.model, num_classes=10)  # the same, by hand
         # The session's normaliser's class, mean, std and device: both loops normalise alike.
-        normalize = BatchNormalizer(session.normalize.mean, session.normalize.std)
+        normalize = BatchNormalizer(session.task.normalize.mean, session.task.normalize.std)
         optimizer = torch.optim.SGD(bare.parameters(), lr=0.01, momentum=0.9)
         session.train_loader = _InMemoryLoader(batches)
         session.steps_per_epoch = len(batches)

@@ -333,7 +333,7 @@ class SlurmClusterConfig(ClusterConfig):
 class TaskConfig:
     new_keys: ClassVar[NewKeys] = NewKeys.TARGET
 
-    _target_: str = MISSING  # a class with training_loss, eval_sums, eval_metrics
+    _target_: str = MISSING  # a class that owns the batch (labrun.train.task's protocol)
 
 
 @dataclass

@@ -67,6 +67,13 @@ class Data:
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    @property
+    def info(self) -> dict[str, Any]:
+        """What the data declares to the task (train/task.py): its class names, and the mean
+        and std its images are normalised by."""
+        return {"class_names": self.class_names, "mean": list(self.cfg.mean),
+                "std": list(self.cfg.std)}
+
     def transform(self, split: str) -> Callable:
         if split == "train":
             aug = self.cfg.augment

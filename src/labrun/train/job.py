@@ -1,6 +1,6 @@
 """One training run, from a composed config to the objective a sweeper optimises.
 
-    cfg -> validate -> distributed.setup -> data.build -> models.build
+    cfg -> validate -> distributed.setup -> data.build -> task.build_model
         -> Trainer(...).fit() -> best value of checkpoint.monitor
 """
 
@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from labrun import data, models
+from labrun import data
 from labrun.config import facts, validation
 from labrun.core import environment
 from labrun.core.errors import ConfigError, LabrunError, RunInterrupted, one_line
@@ -106,7 +107,8 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     seed_everything(cfg.seed, cfg.trainer.deterministic, dist.device)
     run_dir = Path(cfg.paths.run_dir)
     dataset = data.build(cfg.dataset)
-    model = models.build(cfg.model, dataset.num_classes)
+    task = instantiate(cfg.task)  # what a batch is, the model it needs, its loss and metrics
+    model = task.build_model(cfg.model, dataset.info)
     if cfg.model.init_from:
         load_weights(model, cfg.model.init_from)
 
@@ -122,7 +124,8 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     if dist.is_main:
         recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR,
                                     *started_by())
-    trainer = Trainer(cfg, dataset, model, folder=folder, checkpoints=checkpoints, dist=dist)
+    trainer = Trainer(cfg, dataset, model, folder=folder, checkpoints=checkpoints, dist=dist,
+                      task=task)
     monitoring = start_monitoring(cfg, dist, folder, trainer, launch)
     try:
         # Built last, right before fit(), whose `finally` always closes it (wandb.finish()).

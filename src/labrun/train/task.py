@@ -1,17 +1,45 @@
-"""The built-in task: image classification (loss and metrics), chosen by conf/task/.
+"""Tasks: what a batch is, the model it needs, its loss and its metrics, chosen by conf/task/.
 
-A task is any class with the three methods, `num_sums` and `metric_names` of Classification; a
-lab adding another task writes one like it and a conf/task/NAME.yaml naming it with `_target_`
-(docs/plugins.md). The evaluation adds up per-batch sums (summed, so they reduce across ranks by
-a plain all-reduce) and turns the totals into metrics once at the end.
+The Trainer never looks inside a batch; the task does (composer's `ComposerModel.loss(outputs,
+batch)`, timm's `TrainingTask`). A task is a class with:
+
+    num_sums, metric_names     class attributes (validation reads metric_names without torch)
+    build_model(model_cfg, info) -> nn.Module     `info`: what the data declares (Data.info)
+    setup(info, device, memory_format)            once, before the first batch
+    prepare(batch, device) -> batch               on the device, ready for the model; no host
+                                                  sync (image tasks normalise here)
+    count(batch) -> int or 0-d tensor             the items the loss sums over (samples,
+                                                  tokens, pixels), of the batch as the loader
+                                                  gives it (before prepare): an int when every
+                                                  rank's batches hold the same number (a
+                                                  batch's length), a tensor when they may
+                                                  differ (labels that are not ignored)
+    loss(model, batch) -> loss_sum                summed over the batch's items, not averaged:
+                                                  the Trainer divides by the items of the
+                                                  whole optimizer step
+    eval_sums(model, batch) -> 1-d tensor         per-batch sums, added up (and all-reduced)
+    eval_metrics(sums, split) -> {SPLIT/NAME: value}
+    checkpoint_meta() -> dict                     what a checkpoint must carry to be used
+                                                  alone (class names)
+
+A lab adds one as a class like Classification and a conf/task/NAME.yaml naming it with
+`_target_` (docs/plugins.md).
+
+Why count() is a method of its own, asked of the loader's batch, and not a second value of
+loss(): the divisor must be known before the first micro-batch's backward (the alternative,
+rescaling the gradients after the step's backwards, would put summed losses through fp16's
+loss scaling, where they overflow). Counting on the loader's batch costs no wait for the
+device: a length, or a sum over a tensor still on the host.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from omegaconf import DictConfig
+    from torch import nn
 
 # torch is imported where a method needs it, not here: config validation imports this module
 # for metric_names alone (labrun.config.validation), in processes that never train (a sweep's
@@ -19,7 +47,9 @@ if TYPE_CHECKING:
 
 
 class Classification:
-    """Cross-entropy training; val/loss, val/acc (top-1) and val/acc5 (top-5)."""
+    """Images and integer labels: cross-entropy training; val/loss, val/acc (top-1) and
+    val/acc5 (top-5). Batches arrive as uint8 NCHW images and int64 labels, and are turned
+    into normalised floats (by the dataset's mean and std) on the device."""
 
     # The length of eval_sums' vector: a rank that gets no evaluation batch still all-reduces a
     # vector of this shape with the others (zeros), and an empty split still gives metrics.
@@ -29,22 +59,61 @@ class Classification:
     # without building the task.
     metric_names = ("loss", "acc", "acc5")
 
-    def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __init__(self) -> None:
+        self.class_names: list[str] = []
+        self.normalize: Any = None
+        self.memory_format: Any = None
+
+    def build_model(self, model_cfg: DictConfig, info: dict[str, Any]) -> nn.Module:
+        from labrun import models
+
+        return models.build(model_cfg, len(info["class_names"]))
+
+    def setup(self, info: dict[str, Any], device: torch.device,
+              memory_format: torch.memory_format) -> None:
+        import torch
+
+        from labrun.data.transforms import BatchNormalizer
+
+        self.class_names = list(info["class_names"])
+        shape = (1, -1, 1, 1)
+        # Each step is done with its batch before the next arrives: the buffer can be reused.
+        self.normalize = BatchNormalizer(
+            torch.tensor(list(info["mean"]), device=device).view(shape),
+            torch.tensor(list(info["std"]), device=device).view(shape))
+        self.memory_format = memory_format
+
+    def prepare(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = batch
+        non_blocking = device.type == "cuda"
+        images = self.normalize(images.to(device, non_blocking=non_blocking))
+        return (images.contiguous(memory_format=self.memory_format),
+                labels.to(device, non_blocking=non_blocking))
+
+    def count(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return len(batch[1])  # a shape: known on the host, no wait for the device
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         import torch.nn.functional as F  # noqa: N812 - torch's own name for it
 
-        return F.cross_entropy(logits, labels)
+        images, labels = batch
+        return F.cross_entropy(model(images), labels, reduction="sum")
 
-    def eval_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+                  ) -> torch.Tensor:
         """[summed loss, top-1 correct, top-5 correct, count] of one batch, as float32 (MPS
         has no float64); the caller adds them up in float64 on the CPU."""
         import torch
         import torch.nn.functional as F  # noqa: N812
 
+        images, labels = batch
+        logits = model(images).float()
         k = min(5, logits.shape[1])
         top = logits.topk(k, dim=1).indices
         hits = top.eq(labels[:, None])
         return torch.stack([
-            F.cross_entropy(logits.float(), labels, reduction="sum"),
+            F.cross_entropy(logits, labels, reduction="sum"),
             hits[:, 0].sum().float(),
             hits.any(dim=1).sum().float(),
             torch.tensor(float(len(labels)), device=logits.device),
@@ -57,3 +126,7 @@ class Classification:
         values = (loss / count, top1 / count, top5 / count)
         return {f"{split}/{name}": value
                 for name, value in zip(self.metric_names, values, strict=True)}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        # Top-level in every checkpoint: export, serve and `labrun status` read it there.
+        return {"class_names": self.class_names}

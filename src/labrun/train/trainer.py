@@ -5,8 +5,9 @@
     train_epoch()  optimizer steps until the epoch's end (or a stop signal)
     train_step()   `accumulation` micro-batches forward/backward, then one optimizer step
 
-A step counts optimizer steps. Batches arrive as uint8 and are turned into normalised floats
-on the device. Everything needed to continue exactly (weights, optimizer, schedule, scaler,
+A step counts optimizer steps. The task (train/task.py) owns the batch: it moves it to the
+device and prepares it, computes the loss summed over the batch's items, and the Trainer divides
+by the items of the whole optimizer step, over every micro-batch and rank. Everything needed to continue exactly (weights, optimizer, schedule, scaler,
 RNG states, position in the epoch's sample order) is in the checkpoint.
 
 The loop's parts live with their owners: mixed precision (precision.py), stop signals
@@ -30,7 +31,6 @@ import labrun
 from labrun.core import environment
 from labrun.core.errors import LabrunError, RunInterrupted, one_line
 from labrun.data import Data
-from labrun.data.transforms import BatchNormalizer
 from labrun.models import unwrap
 from labrun.runs.rundir import RunDir
 from labrun.track.loggers import NoTracker, Tracker
@@ -51,7 +51,7 @@ class NonFiniteLoss(LabrunError):
 
 class Trainer:
     def __init__(self, cfg: DictConfig, data: Data, model: nn.Module, *, folder: RunDir,
-                 checkpoints: CheckpointManager, dist: Distributed):
+                 checkpoints: CheckpointManager, dist: Distributed, task: Any = None):
         trainer = cfg.trainer
         self.cfg, self.data, self.folder = cfg, data, folder
         self.tracker: Tracker = NoTracker()
@@ -59,7 +59,8 @@ class Trainer:
         self._resumed_window: StepWindow | None = None
         self.checkpoints, self.dist, self.device = checkpoints, dist, dist.device
         self.progress = ProgressReporter(trainer.progress, enabled=dist.is_main)
-        self.task = instantiate(cfg.task)  # loss and metrics
+        # What a batch is, its loss and metrics; job.py passes the one that built the model.
+        self.task = task if task is not None else instantiate(cfg.task)
         self.callbacks = callback_registry.build(cfg.get("callbacks"))
 
         # Batch sizes: batch_size is global; each process takes micro-batches and accumulates.
@@ -90,11 +91,7 @@ class Trainer:
         self.precision = Precision(cfg.precision.name, self.device, cfg.precision.init_scale)
         self.scaler, self.autocast = self.precision.scaler, self.precision.autocast
 
-        shape = (1, -1, 1, 1)
-        # Each step is done with its batch before the next arrives: the buffer can be reused.
-        self.normalize = BatchNormalizer(
-            torch.tensor(list(data.cfg.mean), device=self.device).view(shape),
-            torch.tensor(list(data.cfg.std), device=self.device).view(shape))
+        self.task.setup(data.info, self.device, self.memory_format)
 
         self.epoch = 0  # the epoch in progress (0-based)
         self.position = 0  # samples of this epoch's order already trained on, on this rank
@@ -215,20 +212,24 @@ class Trainer:
 
     def train_step(self, batches, window: StepWindow) -> None:
         accumulation = self.per_rank_batch // self.micro
+        # The step's micro-batches first, as the loader gives them: the loss is divided by the
+        # items of the whole step (samples, tokens, pixels), known once every one is counted.
+        # Each is prepared on the device only when its turn comes (an image task reuses one
+        # buffer for the normalised batch).
+        wait_start = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(accumulation)]
+        waited = time.perf_counter() - wait_start
+        window.wait += waited
+        self.stats.data_wait_s += waited
+        per_rank_items = self.per_rank_items(micro_batches)
         step_loss = torch.zeros((), device=self.device)
-        for micro_step in range(accumulation):
-            wait_start = time.perf_counter()
-            images, labels = next(batches)
-            waited = time.perf_counter() - wait_start
-            window.wait += waited
-            self.stats.data_wait_s += waited
-            images, labels = self.to_device(images, labels)
+        for micro_step, batch in enumerate(micro_batches):
+            batch = self.task.prepare(batch, self.device)
             last = micro_step == accumulation - 1
             # Only the last micro-batch of a step all-reduces gradients across ranks.
             sync = contextlib.nullcontext() if last or not self.dist.enabled else self.net.no_sync()
             with sync, self.autocast():
-                # Dividing by the accumulation makes k micro-batches of b equal one batch of k*b.
-                loss = self.task.training_loss(self.net(images), labels) / accumulation
+                loss = self.task.loss(self.net, batch) / per_rank_items
             self.scaler.scale(loss).backward()
             step_loss += loss.detach()
         if self.dist.enabled:  # every rank must take the same decision below
@@ -263,13 +264,13 @@ class Trainer:
         loader = self._eval_loader(split)
         limit = self.cfg.trainer.limit_val_batches
         sums = torch.zeros(self.task.num_sums, dtype=torch.float64)
-        for index, (images, labels) in enumerate(loader):
+        for index, batch in enumerate(loader):
             if limit and index >= limit:
                 break
-            images, labels = self.to_device(images, labels)
+            batch = self.task.prepare(batch, self.device)
             with self.autocast():
-                logits = self.model(images)
-            sums = sums + self.task.eval_sums(logits.float(), labels).cpu().double()
+                batch_sums = self.task.eval_sums(self.model, batch)
+            sums = sums + batch_sums.cpu().double()
         sums = all_reduce_sum(sums.to(self.device) if self.dist.enabled else sums).cpu()
         return self.task.eval_metrics(sums, split)
 
@@ -305,12 +306,23 @@ class Trainer:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def to_device(self, images: torch.Tensor, labels: torch.Tensor):
-        non_blocking = self.device.type == "cuda"
-        images = images.to(self.device, non_blocking=non_blocking)
-        images = self.normalize(images)
-        return (images.contiguous(memory_format=self.memory_format),
-                labels.to(self.device, non_blocking=non_blocking))
+    def per_rank_items(self, micro_batches: list[Any]) -> float | torch.Tensor:
+        """The items of this optimizer step over all ranks, divided by the ranks: each rank
+        divides its summed loss by it, and DDP's mean of the ranks' gradients is then the
+        gradient of the mean over all the step's items, however they fell into micro-batches
+        and ranks. A count given as an int is the same on every rank (a batch's length: the
+        sampler gives each rank the same samples per step), so no collective is needed; one
+        given as a tensor may differ between ranks and is summed across them on the device."""
+        items = sum(self.task.count(batch) for batch in micro_batches)
+        if not isinstance(items, torch.Tensor):
+            return float(items)
+        if not self.dist.enabled:
+            return items  # on the host, a 0-d tensor divides as a plain number: no wait
+        if items.device.type == "cpu":
+            # Counted on the host: onto the device by a fill, which waits for nothing (a copy
+            # from pageable memory would wait for the device's queue).
+            items = torch.full((), float(items), device=self.device)
+        return all_reduce_sum(items.float()) / self.dist.world_size
 
     def request_stop(self, reason: str, status: str = "completed") -> None:
         """For callbacks: end training after this epoch, saying why. The run ends "completed"
@@ -412,7 +424,7 @@ class Trainer:
             "log_window": {"loss": self.window.loss.detach().cpu(), "steps": self.window.steps},
             "wandb_run_id": self.tracker.run_id,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
-            "class_names": self.data.class_names,
+            **self.task.checkpoint_meta(),  # class_names for classification
             "labrun_version": labrun.__version__,
             "callbacks": {name: cb.state_dict() for name, cb in self.callbacks.items()},
         }
