@@ -6,9 +6,10 @@
     train_step()   `accumulation` micro-batches forward/backward, then one optimizer step
 
 A step counts optimizer steps. The task (train/task.py) owns the batch: it moves it to the
-device and prepares it, computes the loss summed over the batch's items, and the Trainer divides
-by the items of the whole optimizer step, over every micro-batch and rank. Everything needed to continue exactly (weights, optimizer, schedule, scaler,
-RNG states, position in the epoch's sample order) is in the checkpoint.
+device and prepares it, and computes the loss summed over the batch's items; the Trainer
+divides by the items of the whole optimizer step, over every micro-batch and rank. Everything
+needed to continue exactly (weights, optimizer, schedule, scaler, RNG states, position in the
+epoch's sample order) is in the checkpoint.
 
 The loop's parts live with their owners: mixed precision (precision.py), stop signals
 (stop_signals.py), the checkpoint format (checkpoint.py), the run folder (runs/rundir.py), the
