@@ -114,6 +114,25 @@ def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float)
         time.sleep(0.1)
 
 
+def nvml_stand_in(folder: Path, gpus: int, cuda_driver: int | None = None,
+                  driver: str | None = None) -> dict[str, str]:
+    """A pynvml module answering as a node with `gpus` GPUs (and, if given, a driver running
+    CUDA up to `cuda_driver`, 12020 for 12.2) answers it, written into `folder`; returns the
+    environment of a process that imports it first (no GPU here, and no CUDA_VISIBLE_DEVICES
+    to hide what NVML says)."""
+    lines = ["class NVMLError(Exception):", "    pass",
+             "def nvmlInit():", "    pass",
+             "def nvmlShutdown():", "    pass",
+             "def nvmlDeviceGetCount():", f"    return {gpus}"]
+    if cuda_driver is not None:
+        lines += ["def nvmlSystemGetCudaDriverVersion():", f"    return {cuda_driver}",
+                  "def nvmlSystemGetDriverVersion():", f"    return {driver!r}"]
+    (folder / "pynvml.py").write_text("\n".join(lines) + "\n")
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), env.get("PYTHONPATH", "")])
+    return env
+
+
 def free_port() -> int:
     import socket
 

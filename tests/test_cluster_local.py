@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, LABRUN, PROJECT, PYTHON, manifest, read_summary
+from conftest import FAST, LABRUN, PROJECT, PYTHON, manifest, nvml_stand_in, read_summary
 
 TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
 
@@ -257,30 +257,14 @@ def test_usr2_checkpoints_and_requeues_a_job_which_then_completes(tmp_path):
     assert read_summary(tmp_path / "0")["status"] == "completed"
 
 
-# NVML as a machine with three GPUs answers it (no GPU here): a pynvml stand-in, first on the
-# path of the launcher's process only.
-FAKE_PYNVML = """
-class NVMLError(Exception):
-    pass
-def nvmlInit():
-    pass
-def nvmlShutdown():
-    pass
-def nvmlDeviceGetCount():
-    return 3
-"""
-
-
 def test_the_launcher_counts_gpus_without_importing_torch(tmp_path):
     # Seconds of every local sweep's start (import torch) for a count NVML gives at once; the
     # launcher process never trains. The stand-in reports GPUs: a count of zero (what a
     # failing NVML gives too) cannot pass.
-    (tmp_path / "pynvml.py").write_text(FAKE_PYNVML)
+    env = nvml_stand_in(tmp_path, gpus=3)  # on the path of the launcher's process only
     check = ("import sys; from labrun.launch.local import visible_gpus; "
              "gpus = visible_gpus(); assert 'torch' not in sys.modules, 'torch imported'; "
              "print(gpus)")
-    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     result = subprocess.run([PYTHON, "-c", check], capture_output=True, text=True, env=env,
                             timeout=120)
     assert result.returncode == 0, result.stderr

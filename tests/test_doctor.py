@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import LABRUN, PROJECT, PYTHON
+from conftest import LABRUN, PROJECT, PYTHON, nvml_stand_in
 from labrun import doctor
 from labrun.core import probes
 from labrun.core.errors import ConfigError
@@ -146,34 +146,15 @@ def test_a_gpu_job_refuses_a_torch_the_driver_cannot_run_before_loading_data(
     assert distributed.pick_device("cpu", 0).type == "cpu"
 
 
-# NVML as a node whose driver runs CUDA up to 12.2 answers it: a pynvml stand-in first on the
-# run's path (no GPU here). torch's build here is CUDA 13.0.
-OLD_DRIVER_PYNVML = """
-class NVMLError(Exception):
-    pass
-def nvmlInit():
-    pass
-def nvmlShutdown():
-    pass
-def nvmlSystemGetCudaDriverVersion():
-    return 12020
-def nvmlSystemGetDriverVersion():
-    return "535.104.05"
-def nvmlDeviceGetCount():
-    return 1
-"""
-
-
 def test_a_run_on_a_node_whose_driver_is_too_old_refuses_before_its_data_loads(tmp_path):
     """The whole of `python train.py` on such a node: one line naming both versions and the
     fix, exit 2. The dataset is a file that is not HDF5, so a run that loaded its data first
-    would fail on that instead, naming the file."""
+    would fail on that instead, naming the file. NVML answers as such a node's would (no GPU
+    here): its driver runs CUDA up to 12.2; torch's build here is CUDA 13.0."""
     assert torch.version.cuda is not None and int(torch.version.cuda.split(".")[0]) > 12
-    (tmp_path / "pynvml.py").write_text(OLD_DRIVER_PYNVML)
+    env = nvml_stand_in(tmp_path, gpus=1, cuda_driver=12020, driver="535.104.05")
     not_hdf5 = tmp_path / "data.h5"
     not_hdf5.write_bytes(b"not an HDF5 file")
-    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     result = subprocess.run(
         [PYTHON, "train.py", "logger=csv",
          "dataset=hdf5", f"dataset.path={not_hdf5}", "trainer.accelerator=auto",

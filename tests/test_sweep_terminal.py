@@ -39,6 +39,17 @@ def wait_for_file(path: Path, log: Path, proc: subprocess.Popen, timeout: float)
 
 
 
+def start_study(tmp_path: Path, *overrides: str) -> tuple[Path, Path, subprocess.Popen]:
+    """An Optuna study of TINY trials on cluster=local, started in the background: its sweep
+    folder, the file its output goes to, and its process."""
+    sweep_dir = tmp_path / "sweep"
+    args = [PYTHON, "train.py", "-m", *FAST, *TINY, *overrides, f"hydra.sweep.dir={sweep_dir}"]
+    output = tmp_path / "study.log"
+    with open(output, "w") as out:
+        study = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT)
+    return sweep_dir, output, study
+
+
 def test_a_local_sweep_outlives_sighup_and_the_same_command_attaches(tmp_path):
     # Job 0 trains, job 1 waits for the one slot this machine without GPUs has: the terminal
     # goes while job 0 trains and job 1 has not started.
@@ -97,11 +108,7 @@ ASYNC = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_j
 
 
 def test_an_optuna_trial_starts_as_soon_as_a_slot_frees_not_when_its_batch_ends(tmp_path):
-    sweep_dir = tmp_path / "sweep"
-    args = [PYTHON, "train.py", "-m", *FAST, *TINY, *ASYNC, f"hydra.sweep.dir={sweep_dir}"]
-    output = tmp_path / "study.log"
-    with open(output, "w") as out:
-        study = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT)
+    sweep_dir, output, study = start_study(tmp_path, *ASYNC)
     # Trial 1, the long one, is held still (SIGSTOP) from its first logged step until trial 2
     # trains: the slot trial 0 frees must go to trial 2 while trial 1 still runs. A batch
     # sweeper starts trial 2 only once trial 1 has ended, so it would never come (the wait
@@ -135,11 +142,7 @@ FAILING = ["hparams_search=optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.n
 
 def test_above_max_failure_rate_no_trial_starts_the_one_in_flight_finishes_and_it_fails(
         tmp_path):
-    sweep_dir = tmp_path / "sweep"
-    args = [PYTHON, "train.py", "-m", *FAST, *TINY, *FAILING, f"hydra.sweep.dir={sweep_dir}"]
-    output = tmp_path / "study.log"
-    with open(output, "w") as out:
-        study = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT)
+    sweep_dir, output, study = start_study(tmp_path, *FAILING)
     # Trial 0 is held still from the moment its lock names it until the study has judged
     # trial 1's failure: it is in flight when the rate is crossed, whatever the machine's
     # speed. Start-up: under a minute loaded; 300 s only stops a hang.
