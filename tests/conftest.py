@@ -133,6 +133,49 @@ def nvml_stand_in(folder: Path, gpus: int, cuda_driver: int | None = None,
     return env
 
 
+# A task whose items are not its samples: odd labels are ignored (as padding tokens or void
+# pixels are), so micro-batches of the same size hold different numbers of items. Its count is
+# a tensor, as such a count must be (it differs between micro-batches and ranks).
+EVEN_LABELS = """
+import os
+
+import torch.nn.functional as F
+
+from labrun.train.task import Classification
+
+
+class EvenLabels(Classification):
+    def count(self, batch):
+        items = (batch[1] % 2 == 0).sum()
+        with open(os.environ["COUNTS_FILE"], "a") as counts:  # what the test looks at
+            counts.write(f"{int(items)}\\n")
+        return items
+
+    def loss(self, model, batch):
+        images, labels = batch
+        ignored = labels.masked_fill(labels % 2 == 1, -100)
+        return F.cross_entropy(model(images), ignored, reduction="sum", ignore_index=-100)
+"""
+
+
+def even_labels_task(folder: Path) -> Path:
+    """EVEN_LABELS as the lab's module `labtask` in `folder` (task._target_=labtask.EvenLabels)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "labtask.py").write_text(EVEN_LABELS)
+    return folder
+
+
+def even_labels_env(folder: Path, counts: Path) -> dict[str, str]:
+    """A run's environment that imports labtask from `folder` and writes its counts to
+    `counts`, one line per micro-batch (every rank's)."""
+    return {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]),
+            "COUNTS_FILE": str(counts)}
+
+
+def read_counts(path: Path) -> list[int]:
+    return [int(line) for line in path.read_text().split()]
+
+
 def free_port() -> int:
     import socket
 

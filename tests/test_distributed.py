@@ -26,9 +26,12 @@ from conftest import (
     FAST,
     PROJECT,
     PYTHON,
+    even_labels_env,
+    even_labels_task,
     final_weights,
     max_difference,
     rank_records,
+    read_counts,
     read_metrics,
     read_summary,
     run_labrun,
@@ -74,6 +77,25 @@ def test_two_local_processes_train_one_run(tmp_path, ddp_short_one_process):
     assert difference <= DDP_WEIGHT_TOLERANCE
     loss_two, loss_one = summary["val/loss"], read_summary(one)["val/loss"]
     assert abs(loss_two - loss_one) <= DDP_LOSS_TOLERANCE, (loss_two, loss_one)
+
+
+def test_micro_batches_and_ranks_holding_different_numbers_of_items_equal_one_batch(tmp_path):
+    """4 micro-batches on 2 ranks, each holding its own number of items (EvenLabels ignores odd
+    labels): every rank divides by the items of the whole step, summed across the ranks, so
+    the result is one process's with the step's 64 samples in one batch."""
+    lab = even_labels_task(tmp_path / "lab")
+    common = [*DDP_SHORT, "task._target_=labtask.EvenLabels"]
+    run_train("trainer.devices=2", "trainer.micro_batch_size=16", *common,
+              run_dir=tmp_path / "two", env=even_labels_env(lab, tmp_path / "two.counts"))
+    run_train("trainer.devices=1", *common, run_dir=tmp_path / "one",
+              env={**even_labels_env(lab, tmp_path / "one.counts"), "OMP_NUM_THREADS": "1"})
+    assert_both_ranks_trained(rank_records(tmp_path / "two"), steps=8)
+    difference = max_difference(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
+    assert difference <= DDP_WEIGHT_TOLERANCE, difference
+    # The same items in all, in micro-batches of 16 that held different numbers of them.
+    two, one = read_counts(tmp_path / "two.counts"), read_counts(tmp_path / "one.counts")
+    assert len(two) == 8 * 4 and len(one) == 8 and sum(two) == sum(one)
+    assert len(set(two)) > 1, two
 
 
 def test_a_user_error_in_two_local_processes_is_one_line(tmp_path):

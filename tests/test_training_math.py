@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_summary, run_train
+from conftest import even_labels_env, even_labels_task, read_counts, read_summary, run_train
 from labrun.data import EpochSampler
 from labrun.data.transforms import (
     BatchNormalizer,
@@ -34,52 +34,24 @@ def test_accumulating_micro_batches_equals_one_big_batch(tmp_path):
         assert state["optimizer"]["state"], f"{name}: the optimizer never stepped"
 
 
-# A task whose items are not its samples: odd labels are ignored (as padding tokens or void
-# pixels are), so micro-batches of the same size hold different numbers of items. Its count is
-# a tensor, as such a count must be (it differs between micro-batches and ranks).
-EVEN_LABELS = """
-import os
-
-import torch.nn.functional as F
-
-from labrun.train.task import Classification
-
-
-class EvenLabels(Classification):
-    def count(self, batch):
-        items = (batch[1] % 2 == 0).sum()
-        with open(os.environ["COUNTS_FILE"], "a") as counts:  # what the test looks at
-            counts.write(f"{int(items)}\\n")
-        return items
-
-    def loss(self, model, batch):
-        images, labels = batch
-        ignored = labels.masked_fill(labels % 2 == 1, -100)
-        return F.cross_entropy(model(images), ignored, reduction="sum", ignore_index=-100)
-"""
-
-
 def test_micro_batches_holding_different_numbers_of_items_equal_one_big_batch(tmp_path):
     """The loss is divided by the items of the whole optimizer step, not averaged per
     micro-batch: averaging each micro-batch over its own items would weigh an item of a
     micro-batch with few items more than one of a full micro-batch."""
-    (tmp_path / "lab").mkdir()
-    (tmp_path / "lab" / "labtask.py").write_text(EVEN_LABELS)
+    lab = even_labels_task(tmp_path / "lab")
     common = ["trainer.batch_size=32", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
               "optimizer=sgd", "model.dropout=0", "trainer.deterministic=true",
               "task._target_=labtask.EvenLabels"]
     for name, micro in (("big", 32), ("accum", 8)):
-        counts_file = tmp_path / f"{name}.counts"
         run_train(*common, f"trainer.micro_batch_size={micro}", run_dir=tmp_path / name,
-                  env={"PYTHONPATH": str(tmp_path / "lab"), "COUNTS_FILE": str(counts_file)})
+                  env=even_labels_env(lab, tmp_path / f"{name}.counts"))
     big = torch.load(tmp_path / "big/checkpoints/last.pt", weights_only=True)["model"]
     accum = torch.load(tmp_path / "accum/checkpoints/last.pt", weights_only=True)["model"]
     for key in big:
         torch.testing.assert_close(accum[key], big[key], rtol=1e-5, atol=1e-6)
     # The same items in all, and micro-batches of 8 holding different numbers of them: the
     # comparison above tells the two divisions apart.
-    counts = {name: [int(n) for n in (tmp_path / f"{name}.counts").read_text().split()]
-              for name in ("big", "accum")}
+    counts = {name: read_counts(tmp_path / f"{name}.counts") for name in ("big", "accum")}
     assert len(counts["big"]) == 4 and len(counts["accum"]) == 16
     assert sum(counts["big"]) == sum(counts["accum"])
     assert len(set(counts["accum"])) > 1, counts
