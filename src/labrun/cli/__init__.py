@@ -16,7 +16,8 @@ from labrun.core.errors import LabrunError
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("labrun.cli.convert", "convert an image folder to one HDF5 file"),
+    "convert": ("labrun.cli.convert", "convert data: images to one HDF5 file, text to token "
+                "files"),
     "resume": ("labrun.cli.rerun", "resume an interrupted run in its own folder"),
     "rerun": ("labrun.cli.rerun", "reproduce a run from scratch in a new folder"),
     "status": ("labrun.cli.status", "a sweep's or a run's jobs: state, metric, images/s, data wait, verdict"),
@@ -70,7 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"labrun {name}", description=COMMANDS[name][1])
+    prog, description = f"labrun {name}", COMMANDS[name][1]
+    # A command with sub-commands names their modules (`labrun convert text ...`); without one
+    # of their names, its own module takes the arguments (`labrun convert SRC_DIR OUT.h5`).
+    subcommands = getattr(module, "SUBCOMMANDS", {})
+    if rest and rest[0] in subcommands:
+        prog = f"{prog} {rest[0]}"
+        module = importlib.import_module(subcommands[rest[0]])
+        description = (module.__doc__ or description).splitlines()[0]
+        rest = rest[1:]
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     # resume and rerun share one module, which needs to know which of the two it is.
     if len(inspect.signature(module.configure).parameters) == 2:
         module.configure(parser, name)

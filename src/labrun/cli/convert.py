@@ -1,8 +1,8 @@
-"""`labrun convert SRC_DIR OUT.h5` and `labrun convert --verify FILE.h5`: the arguments; the
-conversion is labrun.data.convert.
+"""`labrun convert [images] SRC_DIR OUT.h5` and `labrun convert --verify FILE.h5`: the
+arguments; the conversion is labrun.data.convert. `labrun convert text ...` is cli/convert_text.
 
     labrun convert data/raw/imagenet data/processed/imagenet.h5 --max-side 512 --workers 16
-    labrun convert data/raw/cifar data/processed/cifar.h5 --storage raw
+    labrun convert images data/raw/cifar data/processed/cifar.h5 --storage raw
     labrun convert --verify data/processed/imagenet.h5
 """
 
@@ -15,6 +15,9 @@ from rich.console import Console
 from labrun.core.errors import LabrunError
 from labrun.data import hdf5
 from labrun.data.convert import Options, convert, cpu_count, verify
+
+# labrun convert images ... is this module too, for one argument style with `convert text`.
+SUBCOMMANDS = {"images": "labrun.cli.convert", "text": "labrun.cli.convert_text"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,256 @@
+"""Token folders: text turned into token ids, as nanoGPT lays them out, for language modelling.
+
+    OUT_DIR/train.bin     every train token id, flat, uint16 (vocabulary <= 65,536) or uint32
+    OUT_DIR/val.bin       the same for val
+    OUT_DIR/tokens.json   format, dtype, vocab_size, token counts per split, the tokenizer (its
+                          kind and the sha256 of its file) and the source files
+    OUT_DIR/tokenizer.json  the Hugging Face `tokenizers` file (absent for the bytes tokenizer)
+
+`labrun convert text FILES_OR_DIRS OUT_DIR --tokenizer SPEC` writes one (convert_text); a run
+reads a split with read_split, memory-mapped: the file is never loaded whole. This module is the
+one owner of the layout.
+
+Tokenizers (SPEC): `bytes`, each UTF-8 byte a token (vocabulary 256, nothing to train or
+ship); `PATH/tokenizer.json`, a lab's own `tokenizers` file, copied into the folder; or
+`train:VOCAB`, a byte-level BPE with VOCAB entries trained on the sources with the `tokenizers`
+library (GPT-2's scheme: every string encodes, nothing is unknown).
+
+Each source file's text goes to train up to `1 - val_fraction` of its characters (at a line
+break where there is one) and the rest to val, so both splits hold text of every file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from labrun.core.errors import DataError
+
+FORMAT = 1
+SPLITS = ("train", "val")
+META = "tokens.json"
+TOKENIZER_FILE = "tokenizer.json"
+# A directory given as a source contributes its text files, found by these suffixes (a file
+# named on the command line is read whatever its name).
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """What turns text into ids: `encode`, its vocabulary size, and its file (None: bytes)."""
+    kind: str  # bytes | file | trained
+    vocab_size: int
+    encode: Callable[[str], np.ndarray]
+    file: Path | None = None
+
+
+def convert_text(sources: list[str | Path], out_dir: str | Path, tokenizer_spec: str, *,
+                 val_fraction: float = 0.1, force: bool = False,
+                 progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Write the token folder `out_dir` from the text of `sources` (files, or folders of text
+    files); returns what tokens.json records. `progress(n)` hears of each source file done, n
+    its size in bytes.
+    The folder appears whole or not at all: it is written beside, under another name, and
+    renamed into place (a convert that is killed leaves a `.NAME.partial-PID` folder, which no
+    run reads and the next convert removes)."""
+    out_dir = Path(out_dir)
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"--val-fraction={val_fraction} must be between 0 and 1 (exclusive)")
+    if out_dir.exists() and not force:
+        raise DataError(f"{out_dir} exists; add --force to replace it")
+    files = text_files(sources)
+    texts = {path: read_text(path) for path in files}
+    if not any(texts.values()):
+        raise DataError(f"no text in {', '.join(str(s) for s in sources)}: the files are empty")
+    with _folder_in_place(out_dir) as partial:
+        tokenizer = build_tokenizer(tokenizer_spec, texts.values(), partial)
+        if tokenizer.vocab_size > 2 ** 32:
+            raise DataError(f"the tokenizer's vocabulary ({tokenizer.vocab_size:,}) does not "
+                            f"fit uint32 token files; use a smaller vocabulary")
+        dtype = np.uint16 if tokenizer.vocab_size <= 2 ** 16 else np.uint32
+        counts = {split: 0 for split in SPLITS}
+        with open(partial / "train.bin", "wb") as train, open(partial / "val.bin", "wb") as val:
+            for path, text in texts.items():
+                for split, part in zip(SPLITS, split_text(text, val_fraction), strict=True):
+                    ids = tokenizer.encode(part).astype(dtype)
+                    (train if split == "train" else val).write(ids.tobytes())
+                    counts[split] += len(ids)
+                if progress is not None:
+                    progress(path.stat().st_size)
+        for split in SPLITS:
+            if counts[split] == 0:
+                raise DataError(f"the {split} split would hold no token: the text is too short "
+                                f"for --val-fraction={val_fraction}")
+        meta = {"format": FORMAT, "dtype": np.dtype(dtype).name,
+                "vocab_size": tokenizer.vocab_size, "tokens": counts,
+                "tokenizer": {"kind": tokenizer.kind,
+                              "sha256": _sha256(tokenizer.file) if tokenizer.file else None,
+                              "spec": tokenizer_spec},
+                "sources": [str(path) for path in files]}
+        (partial / META).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def read_meta(folder: str | Path) -> dict[str, Any]:
+    """tokens.json of a token folder, checked against the split files it describes."""
+    folder = Path(folder)
+    path = folder / META
+    if not path.is_file():
+        raise DataError(f"{folder} is not a token folder (no {META}); write one with: labrun "
+                        f"convert text FILES {folder} --tokenizer bytes")
+    meta = json.loads(path.read_text())
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in SPLITS:
+        data = folder / f"{split}.bin"
+        expected = meta["tokens"][split] * itemsize
+        size = data.stat().st_size if data.is_file() else None
+        if size != expected:
+            found = "missing" if size is None else f"{size:,} bytes"
+            raise DataError(f"{data} is {found}, not the {expected:,} bytes {META} records "
+                            f"(a copy cut short?); convert again: labrun convert text ... "
+                            f"{folder} --force")
+    return meta
+
+
+def read_split(folder: str | Path, split: str) -> np.memmap:
+    """The split's token ids, memory-mapped (read-only)."""
+    meta = read_meta(folder)
+    return np.memmap(Path(folder) / f"{split}.bin", dtype=meta["dtype"], mode="r")
+
+
+def text_files(sources: list[str | Path]) -> list[Path]:
+    """The files to read: each file named, and the text files (TEXT_SUFFIXES) under each folder
+    named, in sorted order."""
+    files: list[Path] = []
+    for source in map(Path, sources):
+        if source.is_file():
+            files.append(source)
+        elif source.is_dir():
+            found = sorted(p for p in source.rglob("*")
+                           if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+            if not found:
+                raise DataError(f"no text file ({', '.join(TEXT_SUFFIXES)}) under {source}")
+            files.extend(found)
+        else:
+            raise DataError(f"{source} does not exist")
+    return files
+
+
+def read_text(path: Path) -> str:
+    data = path.read_bytes()
+    if b"\0" in data[:65536]:
+        raise DataError(f"{path} is a binary file, not text; leave it out")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); "
+                        f"convert it to UTF-8 or leave it out") from None
+
+
+def split_text(text: str, val_fraction: float) -> tuple[str, str]:
+    """(train part, val part): the cut at the line break nearest to 1 - val_fraction of the
+    text, or at that character when the text has no line break near it."""
+    cut = int(len(text) * (1 - val_fraction))
+    line_break = text.rfind("\n", 0, cut)
+    if line_break > cut - 1000 and line_break > 0:
+        cut = line_break + 1
+    return text[:cut], text[cut:]
+
+
+def build_tokenizer(spec: str, texts: Any, folder: Path) -> Tokenizer:
+    """The tokenizer SPEC names; a file-based one is written to folder/tokenizer.json."""
+    if spec == "bytes":
+        return Tokenizer("bytes", 256, lambda text: np.frombuffer(text.encode("utf-8"),
+                                                                  dtype=np.uint8))
+    if spec.startswith("train:"):
+        size = spec.removeprefix("train:")
+        if not size.isdigit() or int(size) < 257:
+            raise DataError(f"--tokenizer {spec}: give the vocabulary size after train:, a "
+                            f"number above 256 (the bytes it starts from), e.g. train:4096")
+        return _trained_bpe(int(size), texts, folder / TOKENIZER_FILE)
+    path = Path(spec)
+    if not path.is_file():
+        raise DataError(f"--tokenizer {spec}: no such file; give bytes, a tokenizer.json "
+                        f"file or train:VOCAB")
+    return _from_file(path, folder / TOKENIZER_FILE)
+
+
+def _from_file(path: Path, copy: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        loaded = HFTokenizer.from_file(str(path))
+    except Exception as error:  # the library raises a plain Exception for a bad file
+        raise DataError(f"--tokenizer {path}: not a tokenizers file "
+                        f"({str(error).splitlines()[0][:120]})") from None
+    shutil.copyfile(path, copy)
+    return Tokenizer("file", loaded.get_vocab_size(), _encoder(loaded), copy)
+
+
+def _trained_bpe(vocab_size: int, texts: Any, path: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    tokenizer.save(str(path))
+    return Tokenizer("trained", tokenizer.get_vocab_size(), _encoder(tokenizer), path)
+
+
+def _encoder(tokenizer: Any) -> Callable[[str], np.ndarray]:
+    def encode(text: str) -> np.ndarray:
+        # Line by line in batches: one call per line is slow, one call for a whole corpus
+        # holds every token's offsets in memory at once.
+        lines = text.splitlines(keepends=True)
+        ids: list[int] = []
+        for start in range(0, len(lines), 4096):
+            for encoding in tokenizer.encode_batch(lines[start:start + 4096],
+                                                   add_special_tokens=False):
+                ids.extend(encoding.ids)
+        return np.asarray(ids, dtype=np.int64)
+    return encode
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextmanager
+def _folder_in_place(out_dir: Path) -> Iterator[Path]:
+    """A partial folder beside out_dir, renamed to out_dir when the block ends well and removed
+    when it raises; an existing out_dir (--force) is replaced only then."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a convert that was killed
+    partial = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        out_dir.rename(old)
+    partial.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
