@@ -46,10 +46,11 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 
 @dataclass(frozen=True)
 class Tokenizer:
-    """What turns text into ids: `encode`, its vocabulary size, and its file (None: bytes)."""
+    """What turns text into ids (`encode`: the ids of a text, in pieces, so that a large file
+    is never held as one list), its vocabulary size, and its file (None: bytes)."""
     kind: str  # bytes | file | trained
     vocab_size: int
-    encode: Callable[[str], np.ndarray]
+    encode: Callable[[str], Iterator[np.ndarray]]
     file: Path | None = None
 
 
@@ -68,22 +69,24 @@ def convert_text(sources: list[str | Path], out_dir: str | Path, tokenizer_spec:
     if out_dir.exists() and not force:
         raise DataError(f"{out_dir} exists; add --force to replace it")
     files = text_files(sources)
-    texts = {path: read_text(path) for path in files}
-    if not any(texts.values()):
+    # Every file checked before anything is written; each is read again, one at a time, to be
+    # tokenized: a corpus is never held in memory whole.
+    if not any([read_text(path) != "" for path in files]):
         raise DataError(f"no text in {', '.join(str(s) for s in sources)}: the files are empty")
     with _folder_in_place(out_dir) as partial:
-        tokenizer = build_tokenizer(tokenizer_spec, texts.values(), partial)
+        tokenizer = build_tokenizer(tokenizer_spec, files, partial)
         if tokenizer.vocab_size > 2 ** 32:
             raise DataError(f"the tokenizer's vocabulary ({tokenizer.vocab_size:,}) does not "
                             f"fit uint32 token files; use a smaller vocabulary")
         dtype = np.uint16 if tokenizer.vocab_size <= 2 ** 16 else np.uint32
         counts = {split: 0 for split in SPLITS}
         with open(partial / "train.bin", "wb") as train, open(partial / "val.bin", "wb") as val:
-            for path, text in texts.items():
+            for path in files:
+                text = read_text(path)
                 for split, part in zip(SPLITS, split_text(text, val_fraction), strict=True):
-                    ids = tokenizer.encode(part).astype(dtype)
-                    (train if split == "train" else val).write(ids.tobytes())
-                    counts[split] += len(ids)
+                    for ids in tokenizer.encode(part):
+                        (train if split == "train" else val).write(ids.astype(dtype).tobytes())
+                        counts[split] += len(ids)
                 if progress is not None:
                     progress(path.stat().st_size)
         for split in SPLITS:
@@ -166,17 +169,18 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def build_tokenizer(spec: str, texts: Any, folder: Path) -> Tokenizer:
-    """The tokenizer SPEC names; a file-based one is written to folder/tokenizer.json."""
+def build_tokenizer(spec: str, files: list[Path], folder: Path) -> Tokenizer:
+    """The tokenizer SPEC names (train: learnt from `files`); a file-based one is written to
+    folder/tokenizer.json."""
     if spec == "bytes":
-        return Tokenizer("bytes", 256, lambda text: np.frombuffer(text.encode("utf-8"),
-                                                                  dtype=np.uint8))
+        return Tokenizer("bytes", 256, lambda text: iter([np.frombuffer(text.encode("utf-8"),
+                                                                       dtype=np.uint8)]))
     if spec.startswith("train:"):
         size = spec.removeprefix("train:")
         if not size.isdigit() or int(size) < 257:
             raise DataError(f"--tokenizer {spec}: give the vocabulary size after train:, a "
                             f"number above 256 (the bytes it starts from), e.g. train:4096")
-        return _trained_bpe(int(size), texts, folder / TOKENIZER_FILE)
+        return _trained_bpe(int(size), files, folder / TOKENIZER_FILE)
     path = Path(spec)
     if not path.is_file():
         raise DataError(f"--tokenizer {spec}: no such file; give bytes, a tokenizer.json "
@@ -196,7 +200,7 @@ def _from_file(path: Path, copy: Path) -> Tokenizer:
     return Tokenizer("file", loaded.get_vocab_size(), _encoder(loaded), copy)
 
 
-def _trained_bpe(vocab_size: int, texts: Any, path: Path) -> Tokenizer:
+def _trained_bpe(vocab_size: int, files: list[Path], path: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -205,22 +209,20 @@ def _trained_bpe(vocab_size: int, texts: Any, path: Path) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    tokenizer.train([str(file) for file in files], trainer=trainer)  # streamed from the files
     tokenizer.save(str(path))
     return Tokenizer("trained", tokenizer.get_vocab_size(), _encoder(tokenizer), path)
 
 
-def _encoder(tokenizer: Any) -> Callable[[str], np.ndarray]:
-    def encode(text: str) -> np.ndarray:
-        # Line by line in batches: one call per line is slow, one call for a whole corpus
-        # holds every token's offsets in memory at once.
+def _encoder(tokenizer: Any) -> Callable[[str], Iterator[np.ndarray]]:
+    def encode(text: str) -> Iterator[np.ndarray]:
+        # Lines in batches: one call per line is slow, one call for a whole file holds every
+        # token's offsets in memory at once.
         lines = text.splitlines(keepends=True)
-        ids: list[int] = []
         for start in range(0, len(lines), 4096):
-            for encoding in tokenizer.encode_batch(lines[start:start + 4096],
-                                                   add_special_tokens=False):
-                ids.extend(encoding.ids)
-        return np.asarray(ids, dtype=np.int64)
+            encodings = tokenizer.encode_batch(lines[start:start + 4096],
+                                               add_special_tokens=False)
+            yield np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64)
     return encode
 
 
