@@ -174,23 +174,23 @@ def test_a_convert_that_fails_midway_leaves_no_folder_and_force_replaces_whole(
     tokens.convert_text([corpus], out, "bytes")
     before = (out / "train.bin").read_bytes()
 
-    # The second file fails while the first's tokens are written: the old folder stays as
-    # it was, and no partial folder is left.
-    calls = []
-
-    def fail_on_second(done):
-        calls.append(done)
-        if len(calls) == 1:
-            raise KeyboardInterrupt  # Ctrl-C mid-convert
+    # A convert interrupted after its first tokens are written: the old folder stays as it
+    # was, and no partial folder is left.
+    def interrupt(done):
+        raise KeyboardInterrupt  # Ctrl-C once the first piece of tokens is written
     with pytest.raises(KeyboardInterrupt):
         tokens.convert_text([corpus], out, "bytes", force=True, val_fraction=0.2,
-                            progress=fail_on_second)
+                            progress=interrupt)
     assert (out / "train.bin").read_bytes() == before
     assert tokens.read_meta(out)["tokens"]["train"] == len(before) // 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens"]
 
-    # --force replaces it whole once the new folder is complete.
-    tokens.convert_text([corpus], out, "bytes", force=True, val_fraction=0.2)
+    # --force replaces it whole once the new folder is complete; the progress it reports
+    # adds up to the sources' bytes.
+    done = []
+    tokens.convert_text([corpus], out, "bytes", force=True, val_fraction=0.2,
+                        progress=done.append)
+    assert sum(done) == sum(path.stat().st_size for path in corpus.glob("*.txt"))
     assert tokens.read_meta(out)["tokens"]["train"] < len(before) // 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens"]
 

@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 class LazyProgress:
-    """A progress bar over the sources' bytes that appears with the first file tokenized: the
-    checks before it (a file that is not text, an unknown tokenizer) print their one line
+    """A progress bar over the sources' bytes that appears with the first tokens written: the
+    checks before them (a file that is not text, an unknown tokenizer) print their one line
     alone."""
 
     def __init__(self, console: Console, total: int):

@@ -46,11 +46,12 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 
 @dataclass(frozen=True)
 class Tokenizer:
-    """What turns text into ids (`encode`: the ids of a text, in pieces, so that a large file
-    is never held as one list), its vocabulary size, and its file (None: bytes)."""
+    """What turns text into ids (`encode`: the ids of a text in pieces, each with the bytes of
+    text it covers, so that a large file is never held as one list and its progress shows),
+    its vocabulary size, and its file (None: bytes)."""
     kind: str  # bytes | file | trained
     vocab_size: int
-    encode: Callable[[str], Iterator[np.ndarray]]
+    encode: Callable[[str], Iterator[tuple[np.ndarray, int]]]
     file: Path | None = None
 
 
@@ -58,8 +59,8 @@ def convert_text(sources: list[str | Path], out_dir: str | Path, tokenizer_spec:
                  val_fraction: float = 0.1, force: bool = False,
                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Write the token folder `out_dir` from the text of `sources` (files, or folders of text
-    files); returns what tokens.json records. `progress(n)` hears of each source file done, n
-    its size in bytes.
+    files); returns what tokens.json records. `progress(n)` hears of each n bytes of text
+    tokenized.
     The folder appears whole or not at all: it is written beside, under another name, and
     renamed into place (a convert that is killed leaves a `.NAME.partial-PID` folder, which no
     run reads and the next convert removes)."""
@@ -84,11 +85,11 @@ def convert_text(sources: list[str | Path], out_dir: str | Path, tokenizer_spec:
             for path in files:
                 text = read_text(path)
                 for split, part in zip(SPLITS, split_text(text, val_fraction), strict=True):
-                    for ids in tokenizer.encode(part):
+                    for ids, covered in tokenizer.encode(part):
                         (train if split == "train" else val).write(ids.astype(dtype).tobytes())
                         counts[split] += len(ids)
-                if progress is not None:
-                    progress(path.stat().st_size)
+                        if progress is not None:
+                            progress(covered)
         for split in SPLITS:
             if counts[split] == 0:
                 raise DataError(f"the {split} split would hold no token: the text is too short "
@@ -173,8 +174,10 @@ def build_tokenizer(spec: str, files: list[Path], folder: Path) -> Tokenizer:
     """The tokenizer SPEC names (train: learnt from `files`); a file-based one is written to
     folder/tokenizer.json."""
     if spec == "bytes":
-        return Tokenizer("bytes", 256, lambda text: iter([np.frombuffer(text.encode("utf-8"),
-                                                                       dtype=np.uint8)]))
+        def encode_bytes(text: str) -> Iterator[tuple[np.ndarray, int]]:
+            data = text.encode("utf-8")
+            yield np.frombuffer(data, dtype=np.uint8), len(data)
+        return Tokenizer("bytes", 256, encode_bytes)
     if spec.startswith("train:"):
         size = spec.removeprefix("train:")
         if not size.isdigit() or int(size) < 257:
@@ -214,15 +217,16 @@ def _trained_bpe(vocab_size: int, files: list[Path], path: Path) -> Tokenizer:
     return Tokenizer("trained", tokenizer.get_vocab_size(), _encoder(tokenizer), path)
 
 
-def _encoder(tokenizer: Any) -> Callable[[str], Iterator[np.ndarray]]:
-    def encode(text: str) -> Iterator[np.ndarray]:
+def _encoder(tokenizer: Any) -> Callable[[str], Iterator[tuple[np.ndarray, int]]]:
+    def encode(text: str) -> Iterator[tuple[np.ndarray, int]]:
         # Lines in batches: one call per line is slow, one call for a whole file holds every
         # token's offsets in memory at once.
         lines = text.splitlines(keepends=True)
         for start in range(0, len(lines), 4096):
-            encodings = tokenizer.encode_batch(lines[start:start + 4096],
-                                               add_special_tokens=False)
-            yield np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64)
+            batch = lines[start:start + 4096]
+            encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
+            yield (np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64),
+                   sum(len(line.encode("utf-8")) for line in batch))
     return encode
 
 
