@@ -308,12 +308,10 @@ class Trainer:
     # -- helpers -------------------------------------------------------------------------------
 
     def per_rank_items(self, micro_batches: list[Any]) -> float | torch.Tensor:
-        """The items of this optimizer step over all ranks, divided by the ranks: each rank
-        divides its summed loss by it, and DDP's mean of the ranks' gradients is then the
-        gradient of the mean over all the step's items, however they fell into micro-batches
-        and ranks. A count given as an int is the same on every rank (a batch's length: the
-        sampler gives each rank the same samples per step), so no collective is needed; one
-        given as a tensor may differ between ranks and is summed across them on the device."""
+        """The step's items over all ranks, divided by the ranks: each rank divides its summed
+        loss by it, so DDP's mean of the gradients is the gradient of the mean over all items.
+        An int count is the same on every rank (the sampler gives each the same samples per
+        step): no collective. A tensor count may differ: summed across ranks on the device."""
         items = sum(self.task.count(batch) for batch in micro_batches)
         if not isinstance(items, torch.Tensor):
             return float(items)
