@@ -1,5 +1,6 @@
-"""The requeue path of a preempted SLURM job (train/stop_signals.py), in-process: the requeue
-makes SLURM SIGTERM every process of the job step at once, DataLoader workers included."""
+"""Stop signals (train/stop_signals.py), in-process: the order they may arrive in, and the requeue
+path of a preempted SLURM job, which makes SLURM SIGTERM every process of the job step at once,
+DataLoader workers included."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -41,3 +43,18 @@ def test_workers_killed_by_the_requeue_do_not_turn_it_into_a_failure():
         signal.signal(signal.SIGCHLD, previous)
     assert requeued == [signal.SIGUSR2]
     assert torch.utils.data.get_worker_info() is None  # still the main process
+
+
+def test_one_ctrl_c_stops_whatever_order_it_arrives_in_and_a_second_aborts():
+    """A Ctrl-C reaches a local DDP run's launcher and its workers at once, and the launcher
+    passes it on as SIGTERM: on a busy machine a worker may get that SIGTERM first."""
+    signals = StopSignals()
+    restore = signals.catch()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, ahead of ...
+        os.kill(os.getpid(), signal.SIGINT)  # ... the Ctrl-C itself: still a stop, no abort
+        assert signals.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: abort at once
+    finally:
+        restore()

@@ -129,7 +129,9 @@ def _passing_stop_signals_on():
 
     The first signal goes on as SIGTERM, a stop request even for a worker that got the same
     Ctrl-C itself (a terminal sends it to the whole process group), where a second SIGINT would
-    mean "abort at once". A second signal to the launcher goes on as SIGINT: abort at once.
+    mean "abort at once". Later signals go on as SIGINT: a worker aborts at its second SIGINT
+    (stop_signals.py), so a second Ctrl-C in a terminal aborts, and a launcher signalled alone
+    aborts its workers at its third signal.
     """
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -1,6 +1,10 @@
 """Stop signals: SIGTERM, SIGINT and SIGUSR2 ask the trainer for a checkpoint at the next step
 boundary; a second SIGINT aborts at once.
 
+Only a second SIGINT aborts, whatever came between: a Ctrl-C in a terminal reaches a local DDP
+run's launcher and its workers at once, and the launcher passes it on as SIGTERM, which a busy
+machine may deliver to a worker before the Ctrl-C itself. That is still one Ctrl-C.
+
 SIGUSR2 is SLURM's warning before a time limit or a preemption. A USR2 handler that was
 already installed (submitit's: it requeues the job) is kept, and the trainer calls it after
 that checkpoint, so the requeued job resumes from it.
@@ -23,6 +27,7 @@ CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 class StopSignals:
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.interrupts = 0  # SIGINTs received
         self.requeue_handler = None  # the USR2 handler found when catching started
 
     def catch(self) -> Callable[[], None]:
@@ -33,8 +38,10 @@ class StopSignals:
         self.requeue_handler = previous[signal.SIGUSR2]
 
         def handler(signum, frame):
-            if self.signum is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
+            if signum == signal.SIGINT:
+                self.interrupts += 1
+                if self.interrupts > 1:
+                    raise KeyboardInterrupt
             if signum != signal.SIGINT:
                 # SLURM sends SIGTERM (scancel) and USR2 (a preemption's notice) to every
                 # process of the job step, the DataLoader workers too, which they kill; torch's
