@@ -130,3 +130,75 @@ class Classification:
     def checkpoint_meta(self) -> dict[str, Any]:
         # Top-level in every checkpoint: export, serve and `labrun status` read it there.
         return {"class_names": self.class_names}
+
+
+class LanguageModelling:
+    """Next-token prediction on windows of token ids: a batch is (inputs, targets), both
+    (batch, time) int64, the targets the inputs shifted by one; a target of IGNORE is not
+    scored (padding). Cross-entropy summed over the scored tokens; val/loss (per token),
+    val/ppl (exp of it: per byte with the bytes tokenizer) and val/acc (next token right)."""
+
+    IGNORE = -1
+    num_sums = 3  # summed loss, tokens predicted right, tokens scored
+    metric_names = ("loss", "ppl", "acc")
+
+    def __init__(self) -> None:
+        self.tokenizer: dict[str, Any] = {}
+
+    def build_model(self, model_cfg: DictConfig, info: dict[str, Any]) -> nn.Module:
+        """The model for the data's vocabulary and window (`info`: vocab_size, block_size)."""
+        from hydra.utils import instantiate
+        from omegaconf import OmegaConf
+
+        factory_cfg = OmegaConf.to_container(model_cfg, resolve=True)
+        factory_cfg.pop("init_from", None)  # a labrun key, not a constructor argument
+        return instantiate(factory_cfg)(vocab_size=info["vocab_size"],
+                                        block_size=info["block_size"])
+
+    def setup(self, info: dict[str, Any], device: torch.device,
+              memory_format: torch.memory_format) -> None:
+        self.tokenizer = dict(info.get("tokenizer", {}))
+
+    def prepare(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        non_blocking = device.type == "cuda"
+        return tuple(t.to(device, non_blocking=non_blocking) for t in batch)
+
+    def count(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # The scored tokens differ between batches and ranks (padding): a tensor, summed by
+        # the Trainer across ranks; on the loader's batch, still on the host.
+        return (batch[1] != self.IGNORE).sum()
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        import torch.nn.functional as F  # noqa: N812
+
+        inputs, targets = batch
+        logits = model(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=self.IGNORE, reduction="sum")
+
+    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+                  ) -> torch.Tensor:
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+
+        inputs, targets = batch
+        logits = model(inputs).float()
+        scored = targets != self.IGNORE
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=self.IGNORE, reduction="sum")
+        right = (logits.argmax(dim=-1).eq(targets) & scored).sum().float()
+        return torch.stack([loss, right, scored.sum().float()])
+
+    def eval_metrics(self, sums: torch.Tensor, split: str) -> dict[str, float]:
+        import math
+
+        loss, right, count = sums.tolist()
+        count = max(count, 1.0)
+        values = (loss / count, math.exp(min(loss / count, 700.0)), right / count)
+        return {f"{split}/{name}": value
+                for name, value in zip(self.metric_names, values, strict=True)}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        # class_names stays (empty): status, export and serving read it at the top level.
+        return {"class_names": [], "tokenizer": self.tokenizer}

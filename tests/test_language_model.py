@@ -1,0 +1,109 @@
+"""The language-modelling pieces, in-process and tiny: labrun.models.gpt (its shapes, that no
+position sees a later token, the tied head, the refusals, that it learns a sequence) and the
+task (train/task.py LanguageModelling: the summed loss over the tokens it scores, its count,
+its metrics). Training it through the Trainer comes with its dataset (dataset=tokens)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from labrun.core.errors import ConfigError
+from labrun.models.gpt import GPT
+from labrun.train.task import LanguageModelling
+
+TINY = {"vocab_size": 50, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
+
+
+def test_next_token_logits_for_every_position():
+    torch.manual_seed(0)
+    model = GPT(**TINY).eval()
+    ids = torch.randint(0, 50, (3, 16))
+    assert model(ids).shape == (3, 16, 50)
+    assert model(ids[:, :5]).shape == (3, 5, 50)  # shorter windows too
+
+
+def test_no_position_sees_a_later_token():
+    torch.manual_seed(0)
+    model = GPT(**TINY).eval()
+    ids = torch.randint(0, 50, (2, 16))
+    later = ids.clone()
+    later[:, 9:] = (later[:, 9:] + 1) % 50  # every token from position 9 on changed
+    with torch.no_grad():
+        before, after = model(ids), model(later)
+    torch.testing.assert_close(before[:, :9], after[:, :9], rtol=0, atol=1e-6)
+    assert not torch.allclose(before[:, 9:], after[:, 9:], atol=1e-3)
+
+
+def test_the_head_is_the_token_embedding():
+    model = GPT(**TINY)
+    assert model.head.weight is model.token_embedding.weight
+    # One matrix, saved once: a state dict round trip keeps them one.
+    copy = GPT(**TINY)
+    copy.load_state_dict(model.state_dict())
+    assert copy.head.weight is copy.token_embedding.weight
+    assert torch.equal(copy.head.weight, model.token_embedding.weight)
+    counted = sum(p.numel() for p in model.parameters())
+    assert counted < sum(p.numel() for p in model.state_dict().values())  # not counted twice
+
+
+def test_refusals_name_the_keys():
+    with pytest.raises(ConfigError, match=r"model\.n_embd=30 is not a multiple of "
+                                          r"model\.n_head=4"):
+        GPT(50, 16, n_head=4, n_embd=30)
+    with pytest.raises(ValueError, match="a window of 17 tokens is longer than the model's "
+                                         "block_size=16"):
+        GPT(**TINY)(torch.zeros((1, 17), dtype=torch.long))
+
+
+def test_it_learns_a_repeating_sequence():
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    sequence = torch.arange(17).repeat(2, 1) % 7  # 0..6 over and over: each token predicts the next
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(60):
+        logits = model(sequence[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 50),
+                                                 sequence[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[0] > 3.0  # about ln(50) untrained
+    assert losses[-1] < 0.1 * losses[0], losses[::10]
+
+
+def test_the_task_sums_the_loss_over_the_tokens_it_scores_and_counts_them():
+    torch.manual_seed(0)
+    task, model = LanguageModelling(), GPT(**TINY).eval()
+    inputs = torch.randint(0, 50, (2, 8))
+    targets = torch.randint(0, 50, (2, 8))
+    targets[0, 5:] = LanguageModelling.IGNORE  # padding: not scored
+    batch = task.prepare((inputs, targets), torch.device("cpu"))
+    count = task.count((inputs, targets))
+    assert isinstance(count, torch.Tensor) and int(count) == 13
+    with torch.no_grad():
+        logits = model(inputs)
+        scored = targets != LanguageModelling.IGNORE
+        mean = torch.nn.functional.cross_entropy(logits[scored], targets[scored])
+        torch.testing.assert_close(task.loss(model, batch), mean * 13)
+        sums = task.eval_sums(model, batch)
+    right = (logits.argmax(-1)[scored] == targets[scored]).sum()
+    assert sums[1] == right and sums[2] == 13
+    metrics = task.eval_metrics(sums.double(), "val")
+    assert set(metrics) == {f"val/{name}" for name in task.metric_names}
+    assert metrics["val/loss"] == pytest.approx(mean.item(), rel=1e-5)
+    assert metrics["val/ppl"] == pytest.approx(math.exp(mean.item()), rel=1e-5)
+    assert metrics["val/acc"] == pytest.approx(right.item() / 13)
+
+
+def test_the_task_builds_the_model_for_the_datas_vocabulary_and_window():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"_target_": "labrun.models.gpt.GPT", "_partial_": True,
+                            "n_layer": 1, "n_head": 2, "n_embd": 16, "init_from": None})
+    model = LanguageModelling().build_model(cfg, {"vocab_size": 256, "block_size": 32})
+    assert isinstance(model, GPT) and model.vocab_size == 256 and model.block_size == 32
