@@ -24,7 +24,7 @@ GROUPS = ["dataset", "model", "optimizer", "schedule", "precision", "cluster", "
           "experiment"]
 # Options that need a path or a name before they can validate.
 REQUIRED = {"dataset/imagefolder": ["dataset.root={tmp}"], "dataset/hdf5": ["dataset.path={tmp}"],
-            "model/torchvision": ["model.name=resnet18"]}
+            "dataset/tokens": ["dataset.path={tmp}"], "model/torchvision": ["model.name=resnet18"]}
 
 
 @pytest.fixture(autouse=True)

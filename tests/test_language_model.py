@@ -1,7 +1,7 @@
 """The language-modelling pieces, in-process and tiny: labrun.models.gpt (its shapes, that no
 position sees a later token, the tied head, the refusals, that it learns a sequence) and the
 task (train/task.py LanguageModelling: the summed loss over the tokens it scores, its count,
-its metrics). Training it through the Trainer comes with its dataset (dataset=tokens)."""
+its metrics); then a whole run from a token folder (dataset=tokens) that resumes exactly."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from conftest import assert_identical, final_weights, read_summary, run_train
 from labrun.core.errors import ConfigError
 from labrun.models.gpt import GPT
 from labrun.train.task import LanguageModelling
@@ -107,3 +108,45 @@ def test_the_task_builds_the_model_for_the_datas_vocabulary_and_window():
                             "n_layer": 1, "n_head": 2, "n_embd": 16, "init_from": None})
     model = LanguageModelling().build_model(cfg, {"vocab_size": 256, "block_size": 32})
     assert isinstance(model, GPT) and model.vocab_size == 256 and model.block_size == 32
+
+
+# A tiny language model on Python's own documentation, bytes as tokens: seconds on the CPU.
+LM = ["dataset=tokens", "dataset.block_size=32", "model=gpt", "model.n_layer=1",
+      "model.n_head=2", "model.n_embd=32", "task=lm", "trainer.max_epochs=1",
+      "trainer.limit_train_batches=20", "trainer.limit_val_batches=4", "trainer.batch_size=16",
+      "checkpoint.monitor=val/loss", "checkpoint.mode=min", "checkpoint.every_n_steps=5",
+      "checkpoint.keep_last=10"]
+
+
+@pytest.fixture(scope="module")
+def token_folder(tmp_path_factory):
+    from pydoc_data.topics import topics
+
+    from labrun.data import tokens
+
+    folder = tmp_path_factory.mktemp("lm")
+    (folder / "topics.txt").write_text("".join(topics.values()))
+    tokens.convert_text([folder / "topics.txt"], folder / "bytes", "bytes")
+    return folder / "bytes"
+
+
+def test_a_language_model_trains_from_a_token_folder_and_resumes_exactly(token_folder,
+                                                                         tmp_path):
+    whole = tmp_path / "whole"
+    run_train(*LM, f"dataset.path={token_folder}", run_dir=whole)
+    summary = read_summary(whole)
+    assert summary["status"] == "completed" and summary["step"] == 20
+    assert summary["val/ppl"] == pytest.approx(math.exp(summary["val/loss"]))
+    assert summary["val/loss"] < math.log(256)  # better than a uniform guess over the bytes
+    assert {"val/loss", "val/ppl", "val/acc"} <= set(summary)
+    state = torch.load(whole / "checkpoints" / "last.pt", weights_only=True)
+    assert state["tokenizer"]["kind"] == "bytes" and state["class_names"] == []
+    # From the step-10 checkpoint, mid-epoch, in a folder of its own: the same 10 steps
+    # again (the same windows, the same dropout of none), the same weights bit for bit.
+    resumed = tmp_path / "resumed"
+    result = run_train(*LM, f"dataset.path={token_folder}",
+                       f"checkpoint.resume={whole / 'checkpoints' / 'step-00000010.pt'}",
+                       run_dir=resumed)
+    assert "resuming from" in result.stdout
+    assert_identical(final_weights(resumed), final_weights(whole))
+    assert read_summary(resumed)["val/loss"] == summary["val/loss"]

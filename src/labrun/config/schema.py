@@ -185,6 +185,19 @@ class CIFAR10Config(DatasetConfig):
     download: bool = key(True, affects_result=False)
 
 
+@dataclass
+class TokensConfig:
+    """A token folder of `labrun convert text` (data/tokens.py): its own keys, none of the
+    image datasets'."""
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET
+
+    _target_: str = MISSING  # labrun.data.tokens.load
+    name: str = MISSING
+    path: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
+    block_size: int = 256  # tokens per window: the model's positions
+    num_workers: int = key(0, resume_safe=True, affects_result=False)  # windows are seeded per index
+
+
 # ---------------------------------------------------------------------------------------------
 # model/, optimizer/, schedule/: `_target_` names the class or function that runs.
 
@@ -213,6 +226,14 @@ class TorchvisionModelConfig(ModelConfig):
 class TimmModelConfig(ModelConfig):
     name: str = MISSING  # any name timm.list_models() gives
     drop_rate: float = 0.0  # dropout before the classifier
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128  # a multiple of n_head
+    dropout: float = 0.0
 
 
 @dataclass
@@ -359,9 +380,11 @@ SCHEMAS: dict[str, Any] = {
     "dataset/imagefolder": ImageFolderConfig,
     "dataset/hdf5": HDF5Config,
     "dataset/cifar10": CIFAR10Config,
+    "dataset/tokens": TokensConfig,
     "model/simple_cnn": SimpleCNNConfig,
     "model/torchvision": TorchvisionModelConfig,
     "model/timm": TimmModelConfig,
+    "model/gpt": GPTConfig,
     "optimizer/sgd": SGDConfig,
     "optimizer/adamw": AdamWConfig,
     "schedule/cosine": CosineScheduleConfig,

@@ -36,7 +36,8 @@ CHOICES = {
     "cluster.container.runtime": ("apptainer", "pyxis", "podman"),
 }
 POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
-            "dataset.image_size", "optimizer.lr", "trainer.log_every_n_steps",
+            "dataset.image_size", "dataset.block_size", "optimizer.lr",
+            "trainer.log_every_n_steps",
             "trainer.stop_check_every_n_steps")
 NON_NEGATIVE = ("optimizer.weight_decay", "trainer.grad_clip", "checkpoint.keep_last",
                 "checkpoint.every_n_steps", "dataset.num_workers", "schedule.warmup_epochs")
@@ -73,7 +74,7 @@ def validate(cfg: DictConfig) -> None:
                           f"trainer.accelerator={cfg.trainer.accelerator}; use "
                           f"dataset.decode=cpu or workers")
     check_cluster(cfg)
-    fraction = cfg.dataset.val_fraction
+    fraction = cfg.dataset.get("val_fraction", 0.0)  # image datasets hold val out of train
     if not 0 <= fraction < 1:
         raise ConfigError(f"dataset.val_fraction={fraction} must be in [0, 1)")
     world_size = cfg.trainer.devices * cfg.trainer.num_nodes

@@ -118,6 +118,8 @@ def build(cfg: DictConfig) -> Data:
     if decode != "workers":
         batched.check_device(decode)  # before reading any data
     splits = call_target(cfg)
+    if not isinstance(splits, dict):
+        return splits  # a format that makes its own loaders (dataset=tokens: data/tokens.py)
     if "val" not in splits:
         if cfg.val_fraction <= 0:
             raise DataError(f"{splits['train'].name} has no val split; set dataset.val_fraction "

@@ -257,3 +257,97 @@ def _folder_in_place(out_dir: Path) -> Iterator[Path]:
         out_dir.rename(old)
     partial.rename(out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# -- reading, for training (dataset=tokens) ------------------------------------------------------
+
+
+class TokenWindows:
+    """(epoch, index) -> (inputs, targets): a window of block_size tokens and the same shifted
+    by one. Train windows start at an offset drawn from (seed, epoch, index), as nanoGPT draws
+    them, so any worker gives the same window and a resumed run continues exactly; val windows
+    lie one after another. The token file is opened in each worker, memory-mapped."""
+
+    def __init__(self, folder: Path, split: str, block_size: int, seed: int, shuffle: bool):
+        self.folder, self.split, self.block_size = folder, split, block_size
+        self.seed, self.shuffle = seed, shuffle
+        self.size = read_meta(folder)["tokens"][split]
+        self._tokens: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return max(0, (self.size - 1) // self.block_size)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[Any, Any]:
+        import torch
+
+        epoch, index = key
+        if self._tokens is None:
+            self._tokens = read_split(self.folder, self.split)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch, index])
+            start = int(rng.integers(0, self.size - self.block_size))
+        else:
+            start = index * self.block_size
+        window = np.asarray(self._tokens[start:start + self.block_size + 1], dtype=np.int64)
+        return torch.from_numpy(window[:-1].copy()), torch.from_numpy(window[1:].copy())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}  # each worker maps the file itself
+
+
+@dataclass
+class TokenData:
+    """What `dataset=tokens` gives the Trainer: the splits, what the task is told (`info`),
+    and loaders of (inputs, targets) batches in the sampler's (epoch, index) order."""
+    folder: Path
+    block_size: int
+    num_workers: int
+    meta: dict[str, Any]
+
+    @property
+    def splits(self) -> dict[str, int]:
+        return dict(self.meta["tokens"])
+
+    @property
+    def class_names(self) -> list[str]:
+        return []
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return {"vocab_size": self.meta["vocab_size"], "block_size": self.block_size,
+                "tokenizer": self.meta["tokenizer"]}
+
+    def loader(self, split: str, *, micro_batch_size: int, seed: int, rank: int = 0,
+               world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False) -> Any:
+        import torch
+        from torch.utils.data import DataLoader
+
+        from labrun.data import EpochSampler
+
+        train = split == "train"
+        windows = TokenWindows(self.folder, split, self.block_size, seed, shuffle=train)
+        sampler = EpochSampler(len(windows), seed, rank, world_size, shuffle=train,
+                               multiple=samples_per_step if train else 1, pad=train)
+        if train and len(sampler) == 0:
+            raise DataError(f"{self.folder}: {split} holds {self.splits[split]:,} tokens, fewer "
+                            f"than one optimizer step of windows ({samples_per_step * world_size}"
+                            f" x {self.block_size + 1}); lower trainer.batch_size or "
+                            f"dataset.block_size")
+        workers = self.num_workers
+        return DataLoader(windows, batch_size=micro_batch_size, sampler=sampler,
+                          num_workers=workers, persistent_workers=workers > 0,
+                          prefetch_factor=4 if workers > 0 else None, pin_memory=pin_memory,
+                          generator=torch.Generator().manual_seed(seed))
+
+
+def load(path: str, block_size: int, num_workers: int = 0) -> TokenData:
+    """dataset=tokens: the token folder at `path` (checked whole: tokens.json and both files),
+    in windows of `block_size` tokens."""
+    folder = Path(path)
+    meta = read_meta(folder)
+    for split in SPLITS:
+        if meta["tokens"][split] <= block_size:
+            raise DataError(f"{folder}: the {split} split holds {meta['tokens'][split]:,} "
+                            f"tokens, not more than dataset.block_size={block_size}; lower "
+                            f"it or convert more text")
+    return TokenData(folder, block_size, num_workers, meta)

@@ -1,7 +1,8 @@
-"""Model registry: torchvision and timm classification models by name, plus small built-ins.
+"""Model registry: torchvision and timm classification models by name, plus small built-ins
+(SimpleCNN here, the GPT of task=lm in gpt.py).
 
-Model configs name a factory with `_target_` and `_partial_: true`; `build()` adds the number of
-classes, which always comes from the dataset.
+Model configs name a factory with `_target_` and `_partial_: true`; `build()` adds what the data
+declares (the number of classes; a vocabulary and window for a language model).
 """
 
 from __future__ import annotations
@@ -61,11 +62,15 @@ def timm_model(num_classes: int, name: str, drop_rate: float = 0.0) -> nn.Module
                              drop_rate=drop_rate)
 
 
-def build(model_cfg: DictConfig, num_classes: int) -> nn.Module:
-    """Instantiate the configured model for `num_classes` outputs."""
+def build(model_cfg: DictConfig, num_classes: int | None = None, **sizes: int) -> nn.Module:
+    """Instantiate the configured model with what the data declares: `num_classes` outputs
+    for a classifier, or the sizes another task passes (vocab_size and block_size for
+    task=lm)."""
     factory_cfg = OmegaConf.to_container(model_cfg, resolve=True)
     factory_cfg.pop("init_from", None)  # a labrun key, not a constructor argument
-    return instantiate(factory_cfg)(num_classes=num_classes)
+    if num_classes is not None:
+        sizes["num_classes"] = num_classes
+    return instantiate(factory_cfg)(**sizes)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

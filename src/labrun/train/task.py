@@ -147,13 +147,10 @@ class LanguageModelling:
 
     def build_model(self, model_cfg: DictConfig, info: dict[str, Any]) -> nn.Module:
         """The model for the data's vocabulary and window (`info`: vocab_size, block_size)."""
-        from hydra.utils import instantiate
-        from omegaconf import OmegaConf
+        from labrun import models
 
-        factory_cfg = OmegaConf.to_container(model_cfg, resolve=True)
-        factory_cfg.pop("init_from", None)  # a labrun key, not a constructor argument
-        return instantiate(factory_cfg)(vocab_size=info["vocab_size"],
-                                        block_size=info["block_size"])
+        return models.build(model_cfg, vocab_size=info["vocab_size"],
+                            block_size=info["block_size"])
 
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:
