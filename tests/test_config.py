@@ -73,6 +73,15 @@ MISTAKES = {
     "wrong int type": (["trainer.batch_size=big"], ["trainer.batch_size", "big"]),
     "negative lr": (["optimizer.lr=-0.1"], ["optimizer.lr=-0.1", "greater than 0"]),
     "zero epochs": (["trainer.max_epochs=0"], ["trainer.max_epochs=0"]),
+    "zero steps": (["trainer.max_steps=0"], ["trainer.max_steps=0"]),
+    "two budgets": (["trainer.max_steps=500", "trainer.max_epochs=3"],
+                    ["trainer.max_epochs=3 and trainer.max_steps=500", "trainer.max_epochs=null"]),
+    "two budgets, one from a preset": (["experiment=digits_fast", "trainer.max_steps=50"],
+                                       ["trainer.max_epochs=3 and trainer.max_steps=50"]),
+    "no budget": (["trainer.max_epochs=null"], ["neither trainer.max_epochs nor"]),
+    "negative validation interval": (["trainer.val_every_n_steps=-1"],
+                                     ["trainer.val_every_n_steps=-1", "0 or more"]),
+    "negative warm-up steps": (["schedule.warmup_steps=-5"], ["schedule.warmup_steps=-5"]),
     "negative weight decay": (["optimizer.weight_decay=-1"], ["optimizer.weight_decay"]),
     "val fraction out of range": (["dataset.val_fraction=1.5"], ["dataset.val_fraction"]),
     "missing dataset folder": (["dataset=imagefolder", "dataset.root=/no/such/dir"],
@@ -111,6 +120,18 @@ def test_config_mistake_gives_one_clear_line(mistake, tmp_path):
     message = error_line(overrides, tmp_path)
     for part in expected:
         assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_a_step_budget_replaces_the_default_epochs_and_the_task_names_the_monitor():
+    cfg = compose_checked(["trainer.max_steps=500"])
+    assert cfg.trainer.max_steps == 500 and cfg.trainer.max_epochs is None
+    assert compose_checked([]).trainer.max_epochs == 12  # the default budget: epochs
+    assert (cfg.checkpoint.monitor, cfg.checkpoint.mode) == ("val/acc", "max")
+    lm = compose_checked(["task=lm", "dataset=tokens", "dataset.path=/tmp", "model=gpt"])
+    assert (lm.checkpoint.monitor, lm.checkpoint.mode) == ("val/loss", "min")
+    chosen = compose_checked(["task=lm", "dataset=tokens", "dataset.path=/tmp", "model=gpt",
+                              "checkpoint.monitor=val/ppl"])
+    assert chosen.checkpoint.monitor == "val/ppl"  # the command line has the last word
 
 
 def test_the_cluster_keys_bounds_themselves_pass(composed):

@@ -1,16 +1,19 @@
 """The language-modelling pieces, in-process and tiny: labrun.models.gpt (its shapes, that no
 position sees a later token, the tied head, the refusals, that it learns a sequence) and the
 task (train/task.py LanguageModelling: the summed loss over the tokens it scores, its count,
-its metrics); then a whole run from a token folder (dataset=tokens) that resumes exactly."""
+its metrics); then a whole run from a token folder (dataset=tokens) that resumes exactly, and
+the README's experiment=char_lm against the byte-unigram perplexity of its text."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import assert_identical, final_weights, read_summary, run_train
+from conftest import assert_identical, final_weights, read_metrics, read_summary, run_train
 from labrun.core.errors import ConfigError
 from labrun.models.gpt import GPT
 from labrun.train.task import LanguageModelling
@@ -110,11 +113,13 @@ def test_the_task_builds_the_model_for_the_datas_vocabulary_and_window():
     assert isinstance(model, GPT) and model.vocab_size == 256 and model.block_size == 32
 
 
-# A tiny language model on Python's own documentation, bytes as tokens: seconds on the CPU.
+# A tiny language model on Python's own documentation, bytes as tokens: seconds on the CPU. A
+# step budget of 20 (far inside one epoch), validated every 8 steps and at the budget's end;
+# judged by val/loss, the task's own monitor (conf/task/lm.yaml).
 LM = ["dataset=tokens", "dataset.block_size=32", "model=gpt", "model.n_layer=1",
-      "model.n_head=2", "model.n_embd=32", "task=lm", "trainer.max_epochs=1",
-      "trainer.limit_train_batches=20", "trainer.limit_val_batches=4", "trainer.batch_size=16",
-      "checkpoint.monitor=val/loss", "checkpoint.mode=min", "checkpoint.every_n_steps=5",
+      "model.n_head=2", "model.n_embd=32", "task=lm", "trainer.max_steps=20",
+      "trainer.val_every_n_steps=8", "trainer.log_every_n_steps=4", "trainer.limit_val_batches=4",
+      "trainer.batch_size=16", "schedule.warmup_steps=4", "checkpoint.every_n_steps=5",
       "checkpoint.keep_last=10"]
 
 
@@ -130,23 +135,62 @@ def token_folder(tmp_path_factory):
     return folder / "bytes"
 
 
-def test_a_language_model_trains_from_a_token_folder_and_resumes_exactly(token_folder,
-                                                                         tmp_path):
+def test_a_language_model_trains_to_a_step_budget_validating_mid_epoch_and_resumes_exactly(
+        token_folder, tmp_path):
     whole = tmp_path / "whole"
     run_train(*LM, f"dataset.path={token_folder}", run_dir=whole)
     summary = read_summary(whole)
-    assert summary["status"] == "completed" and summary["step"] == 20
+    assert summary["status"] == "completed" and summary["step"] == 20 and summary["epoch"] == 0
+    assert summary["monitor"] == "val/loss" and summary["mode"] == "min"
     assert summary["val/ppl"] == pytest.approx(math.exp(summary["val/loss"]))
     assert summary["val/loss"] < math.log(256)  # better than a uniform guess over the bytes
-    assert {"val/loss", "val/ppl", "val/acc"} <= set(summary)
+    metrics = read_metrics(whole)
+    validated = [m for m in metrics if "val/loss" in m]
+    assert [m["step"] for m in validated] == [8, 16, 20]  # every 8, then the budget's end
+    assert validated[-1]["best/val/loss"] == min(m["val/loss"] for m in validated)
+    logged = [m for m in metrics if "perf/samples_per_s" in m]
+    assert [m["step"] for m in logged] == [4, 8, 12, 16, 20]
+    assert all(m["perf/tokens_per_s"] == pytest.approx(32 * m["perf/samples_per_s"])
+               for m in logged)
     state = torch.load(whole / "checkpoints" / "last.pt", weights_only=True)
     assert state["tokenizer"]["kind"] == "bytes" and state["class_names"] == []
-    # From the step-10 checkpoint, mid-epoch, in a folder of its own: the same 10 steps
-    # again (the same windows, the same dropout of none), the same weights bit for bit.
+    best = torch.load(whole / "checkpoints" / "best.pt", weights_only=True)
+    assert best["step"] == min(validated, key=lambda m: m["val/loss"])["step"]
+    # From the step-10 checkpoint, mid-epoch and mid-interval, in a folder of its own: the same
+    # 10 steps again (the same windows, the same dropout of none), the same validations at 16
+    # and 20, the same weights bit for bit.
     resumed = tmp_path / "resumed"
     result = run_train(*LM, f"dataset.path={token_folder}",
                        f"checkpoint.resume={whole / 'checkpoints' / 'step-00000010.pt'}",
                        run_dir=resumed)
     assert "resuming from" in result.stdout
     assert_identical(final_weights(resumed), final_weights(whole))
-    assert read_summary(resumed)["val/loss"] == summary["val/loss"]
+    again = [m for m in read_metrics(resumed) if "val/loss" in m and m["step"] > 10]
+    assert [(m["step"], m["val/loss"]) for m in again] == [
+        (m["step"], m["val/loss"]) for m in validated if m["step"] > 10]
+
+
+def byte_unigram_perplexity(folder) -> float:
+    """The perplexity on val of a model that ignores context: each byte's frequency in train
+    (add-one smoothed, for a byte train never holds)."""
+    from labrun.data import tokens
+
+    train, val = tokens.read_split(folder, "train"), tokens.read_split(folder, "val")
+    counts = np.bincount(train, minlength=256) + 1.0
+    log_p = np.log(counts / counts.sum())
+    return float(np.exp(-log_p[val].mean()))
+
+
+def test_char_lm_learns_pythons_docs_to_under_half_the_byte_unigram_perplexity(tmp_path):
+    """The README's `python train.py experiment=char_lm`, whole: its text converted on first
+    use, then a few minutes of training on this CPU."""
+    processed = tmp_path / "processed"
+    run_dir = tmp_path / "run"
+    run_train("experiment=char_lm", f"paths.processed_dir={processed}", run_dir=run_dir,
+              timeout=1200)
+    folder = processed / "python_docs-bytes"
+    assert json.loads((folder / "tokens.json").read_text())["vocab_size"] == 256
+    unigram = byte_unigram_perplexity(folder)
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["monitor"] == "val/loss"
+    assert summary["val/ppl"] < unigram / 2, (summary["val/ppl"], unigram)

@@ -125,6 +125,21 @@ def test_early_stopping_stops_completed_and_stays_stopped(tmp_path):
     assert len(read_metrics(run_dir)) == rows  # no step trained
 
 
+def test_on_a_step_budget_early_stopping_counts_validations_mid_epoch(tmp_path):
+    """A budget of 12 steps validated every 4, all inside digits' first epoch (22 steps): the
+    validation at step 8 cannot improve by 0.9, so patience=1 stops the run there."""
+    run_dir = tmp_path / "run"
+    run_train("trainer.max_steps=12", "trainer.val_every_n_steps=4", "callbacks=early_stopping",
+              "callbacks.early_stopping.patience=1", "callbacks.early_stopping.min_delta=0.9",
+              run_dir=run_dir)
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and (summary["step"], summary["epoch"]) == (8, 0)
+    reason = summary["stopped_early"]
+    assert reason.startswith("val/acc did not improve by 0.9 for 1 validation (best "), reason
+    assert reason.endswith(" at step 4)"), reason
+    assert [row["step"] for row in read_metrics(run_dir) if "val/acc" in row] == [4, 8]
+
+
 def test_a_labs_callback_gets_every_hook(tmp_path, lab_path):
     out = tmp_path / "calls.json"
     env = {"PYTHONPATH": os.pathsep.join([str(lab_path), os.environ.get("PYTHONPATH", "")])}

@@ -3,6 +3,8 @@ and the out-of-memory fallback of trainer.micro_batch_size=auto."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -60,7 +62,7 @@ def test_micro_batches_holding_different_numbers_of_items_equal_one_big_batch(tm
 def test_cosine_schedule_warms_up_then_decays():
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=1.0)
-    scheduler = schedules.cosine(optimizer, steps_per_epoch=10, max_epochs=3, warmup_epochs=1)
+    scheduler = schedules.cosine(optimizer, steps_per_epoch=10, total_steps=30, warmup_epochs=1)
     lrs = []
     for _ in range(30):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -74,7 +76,7 @@ def test_cosine_schedule_warms_up_then_decays():
 def test_step_schedule():
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=1.0)
-    scheduler = schedules.step(optimizer, steps_per_epoch=2, max_epochs=4, step_epochs=1,
+    scheduler = schedules.step(optimizer, steps_per_epoch=2, total_steps=8, step_epochs=1,
                                gamma=0.5)
     lrs = []
     for _ in range(6):
@@ -82,6 +84,29 @@ def test_step_schedule():
         optimizer.step()
         scheduler.step()
     assert lrs == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+
+
+def test_schedules_in_steps_for_a_step_budget():
+    """A step budget's forms: warm-up in steps, cosine over the whole budget, a step decay every
+    N steps; given in steps, the epoch forms are not used."""
+    def lrs(scheduler, optimizer, steps):
+        out = []
+        for _ in range(steps):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    cosine = lrs(schedules.cosine(optimizer, steps_per_epoch=1000, total_steps=20,
+                                  warmup_epochs=1, warmup_steps=4), optimizer, 20)
+    assert cosine[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert cosine[12] == pytest.approx(0.5 * (1 + math.cos(math.pi * 8 / 16)))
+    assert cosine[-1] < 0.01  # down to ~0 at the budget's end, not an epoch's
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    stepped = lrs(schedules.step(optimizer, steps_per_epoch=1000, total_steps=7,
+                                 step_epochs=30, step_every_n_steps=3, gamma=0.5), optimizer, 7)
+    assert stepped == [1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25]
 
 
 def test_sampler_shards_pads_and_resumes_mid_epoch():

@@ -35,7 +35,13 @@ from labrun.config.keys import NewKeys
 
 @dataclass
 class TrainerConfig:
-    max_epochs: int = key(8, resume_safe=True)  # more epochs: resume and train on
+    # The budget: epochs, or optimizer steps (max_steps); one of the two. More: resume and
+    # train on.
+    max_epochs: int | None = key(8, resume_safe=True)
+    max_steps: int | None = key(None, resume_safe=True)
+    # Validation (with best.pt, early stopping, pruning) every this many optimizer steps;
+    # 0: at each epoch's end. Either way also when the budget ends mid-epoch.
+    val_every_n_steps: int = key(0, resume_safe=True)
     batch_size: int = 64  # effective, global: micro_batch_size x accumulation x world size
     micro_batch_size: Any = key("auto", resume_safe=True)  # per process, or "auto": batch_size / world size, halved on OOM
     accelerator: str = "auto"  # auto (cuda, then mps, then cpu) | cuda | mps | cpu
@@ -198,6 +204,19 @@ class TokensConfig:
     num_workers: int = key(0, resume_safe=True, affects_result=False)  # windows are seeded per index
 
 
+@dataclass
+class PythonDocsConfig:
+    """CPython's own documentation text as tokens, converted on first use into `folder`
+    (tokens.python_docs), which need not exist yet."""
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET
+
+    _target_: str = MISSING  # labrun.data.tokens.python_docs
+    name: str = MISSING
+    folder: str = key(MISSING, path=True, resume_safe=True, affects_result=False)
+    block_size: int = 256
+    num_workers: int = key(0, resume_safe=True, affects_result=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # model/, optimizer/, schedule/: `_target_` names the class or function that runs.
 
@@ -265,6 +284,7 @@ class ScheduleConfig:
     _target_: str = MISSING
     _partial_: bool = True
     warmup_epochs: float = 0.0
+    warmup_steps: int | None = None  # instead of warmup_epochs
 
 
 @dataclass
@@ -275,6 +295,7 @@ class CosineScheduleConfig(ScheduleConfig):
 @dataclass
 class StepScheduleConfig(ScheduleConfig):
     step_epochs: int = 30
+    step_every_n_steps: int | None = None  # instead of step_epochs
     gamma: float = 0.1
 
 
@@ -381,6 +402,7 @@ SCHEMAS: dict[str, Any] = {
     "dataset/hdf5": HDF5Config,
     "dataset/cifar10": CIFAR10Config,
     "dataset/tokens": TokensConfig,
+    "dataset/python_docs": PythonDocsConfig,
     "model/simple_cnn": SimpleCNNConfig,
     "model/torchvision": TorchvisionModelConfig,
     "model/timm": TimmModelConfig,
@@ -411,6 +433,13 @@ def register() -> None:
                 node={"_target_": PLUGIN + "LabrunSlurmLauncher"})
     if not OmegaConf.has_resolver("labrun.token"):
         OmegaConf.register_new_resolver("labrun.token", run_token)
+    if not OmegaConf.has_resolver("labrun.unless"):
+        OmegaConf.register_new_resolver("labrun.unless", unless)
+
+
+def unless(given: Any, value: Any) -> Any:
+    """`${labrun.unless:${trainer.max_steps},12}`: 12 epochs unless a step budget is given."""
+    return value if given is None else None
 
 
 def run_token() -> str:

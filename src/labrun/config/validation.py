@@ -35,18 +35,20 @@ CHOICES = {
     "dataset.decode": ("workers", "cpu", "cuda"),
     "cluster.container.runtime": ("apptainer", "pyxis", "podman"),
 }
-POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
+POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs",
+            "trainer.max_steps", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
             "dataset.image_size", "dataset.block_size", "optimizer.lr",
-            "trainer.log_every_n_steps",
-            "trainer.stop_check_every_n_steps")
+            "trainer.log_every_n_steps", "trainer.stop_check_every_n_steps",
+            "schedule.step_every_n_steps")
 NON_NEGATIVE = ("optimizer.weight_decay", "trainer.grad_clip", "checkpoint.keep_last",
-                "checkpoint.every_n_steps", "dataset.num_workers", "schedule.warmup_epochs")
+                "checkpoint.every_n_steps", "trainer.val_every_n_steps", "dataset.num_workers",
+                "schedule.warmup_epochs", "schedule.warmup_steps")
 # What the trainer logs itself, whatever the task: StepWindow.metrics (train/progress.py) at each
 # logged step, and perf/gpu_util where NVML reads the run's GPUs (train/trainer.py). At an
 # epoch's end the trainer takes checkpoint.monitor from the validation metrics, else from the
-# last logged value of these (Trainer.end_epoch).
-TRAINER_METRICS = ("train/loss", "train/lr", "perf/images_per_s", "perf/data_wait_frac",
-                   "perf/gpu_util")
+# last logged value of these (Trainer.validate).
+TRAINER_METRICS = ("train/loss", "train/lr", "perf/samples_per_s", "perf/images_per_s",
+                   "perf/tokens_per_s", "perf/data_wait_frac", "perf/gpu_util")
 # Callbacks that judge an epoch by checkpoint.monitor among its validation metrics alone: to
 # them a train/ or perf/ monitor is always missing (early stopping would end the run after
 # `patience` epochs with "best none"; the pruner would never hear a value).
@@ -73,6 +75,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"dataset.decode=cuda puts batches on the GPU, but "
                           f"trainer.accelerator={cfg.trainer.accelerator}; use "
                           f"dataset.decode=cpu or workers")
+    check_budget(cfg.trainer)
     check_cluster(cfg)
     fraction = cfg.dataset.get("val_fraction", 0.0)  # image datasets hold val out of train
     if not 0 <= fraction < 1:
@@ -101,6 +104,19 @@ def validate(cfg: DictConfig) -> None:
             f"checkpoint.resume={resume}: no such file; give a checkpoint path, auto or never")
     check_checkpoint_monitor(cfg)
     _validate_monitor(cfg)
+
+
+def check_budget(trainer: DictConfig) -> None:
+    """One budget: epochs or steps. trainer.max_steps alone replaces the default epochs
+    (conf/train.yaml); both given, by the command line or a preset, cannot both hold."""
+    epochs, steps = trainer.max_epochs, trainer.max_steps
+    if epochs is not None and steps is not None:
+        raise ConfigError(f"trainer.max_epochs={epochs} and trainer.max_steps={steps} are both "
+                          f"set: a run's budget is one of them; drop one (trainer.max_epochs="
+                          f"null keeps the step budget)")
+    if epochs is None and steps is None:
+        raise ConfigError("neither trainer.max_epochs nor trainer.max_steps is set: give the "
+                          "run's budget in one of them")
 
 
 # What SLURM would be handed (sbatch's --array %N, -c, -t, -N, --ntasks-per-node, --mem; submitit's

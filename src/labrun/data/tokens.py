@@ -351,3 +351,29 @@ def load(path: str, block_size: int, num_workers: int = 0) -> TokenData:
                             f"tokens, not more than dataset.block_size={block_size}; lower "
                             f"it or convert more text")
     return TokenData(folder, block_size, num_workers, meta)
+
+
+def python_docs(folder: str, block_size: int, num_workers: int = 0) -> TokenData:
+    """dataset=python_docs: the documentation text inside every CPython (`pydoc_data.topics`,
+    about 465,000 characters), one byte a token, so that a language model trains with nothing
+    downloaded. Converted on first use into the token folder `folder`; jobs starting together
+    each convert into a folder of their own and rename it into place, and the first rename
+    wins (a rename onto a folder that exists fails): no job reads a half-written folder."""
+    folder = Path(folder)
+    if not (folder / META).is_file():
+        from pydoc_data.topics import topics
+
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        mine = folder.with_name(f".{folder.name}.{os.getpid()}-{os.urandom(4).hex()}")
+        text = folder.with_name(f"{mine.name}.txt")
+        try:
+            text.write_text("".join(topics.values()), encoding="utf-8")
+            convert_text([text], mine, "bytes")
+            try:
+                mine.rename(folder)
+            except OSError:  # another job's folder is in place: the same bytes
+                pass
+        finally:
+            text.unlink(missing_ok=True)
+            shutil.rmtree(mine, ignore_errors=True)
+    return load(str(folder), block_size, num_workers)

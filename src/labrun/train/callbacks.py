@@ -9,8 +9,8 @@
 
 A callback subclasses `Callback` and overrides the hooks it needs; each hook gets the Trainer,
 whose attributes (epoch, step, best, model, optimizer, cfg, folder) it may read. A callback
-that wants training to end calls `trainer.request_stop(reason)`: the trainer stops at the end
-of that epoch, with status "completed" and the reason in summary.json (`stopped_early`);
+that wants training to end calls `trainer.request_stop(reason)` at a validation: training stops
+there, with status "completed" and the reason in summary.json (`stopped_early`);
 `request_stop(reason, status="pruned")` ends it as "pruned" instead (a search gave up on it:
 train/pruning.py, Optuna's pruning).
 
@@ -45,9 +45,16 @@ class Callback:
     def on_step_end(self, trainer: Trainer) -> None:
         """After each optimizer step; trainer.step counts them."""
 
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """After each validation (at each epoch's end, or every trainer.val_every_n_steps
+        steps); `metrics` holds val/loss, val/acc, ...; trainer.point says where training
+        stands (("epoch", epochs done) or ("step", steps done)). Runs before that
+        validation's checkpoint. A callback written for epochs alone may override
+        on_epoch_end instead, which this calls."""
+        self.on_epoch_end(trainer, metrics)
+
     def on_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        """After each epoch's validation; `metrics` holds val/loss, val/acc, ... and
-        trainer.epoch is the number of epochs done. Runs before that epoch's checkpoint."""
+        """See on_validation_end."""
 
     def on_fit_end(self, trainer: Trainer, status: str) -> None:
         """Once, whatever happened: status is completed, pruned, failed or interrupted."""
@@ -67,7 +74,8 @@ def build(cfg: DictConfig | None) -> dict[str, Callback]:
 
 
 class EarlyStopping(Callback):
-    """Stop when checkpoint.monitor has not improved by `min_delta` for `patience` epochs.
+    """Stop when checkpoint.monitor has not improved by `min_delta` for `patience` validations
+    (epochs, when validation comes at each epoch's end).
 
     The monitored key and its direction are checkpoint.monitor and checkpoint.mode, so what
     stops training is what picks best.pt. Once it has stopped a run, its state says so: the
@@ -80,28 +88,31 @@ class EarlyStopping(Callback):
                               f"(got patience={patience}, min_delta={min_delta})")
         self.patience, self.min_delta = patience, min_delta
         self.best: float | None = None
-        self.best_epoch = 0
-        self.wait = 0  # epochs since the last improvement
+        self.best_epoch = 0  # where it was: an epoch or a step, in the unit of trainer.point
+        self.wait = 0  # validations since the last improvement
         self.reason: str | None = None  # set once it has stopped the run
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if self.reason is not None:
             trainer.request_stop(self.reason)
 
-    def on_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         monitor, mode = trainer.cfg.checkpoint.monitor, trainer.cfg.checkpoint.mode
+        unit, at = trainer.point
         value = metrics.get(monitor)
         if value is None or not math.isfinite(value):
             self.wait += 1
         elif self.best is None or (value > self.best + self.min_delta if mode == "max"
                                    else value < self.best - self.min_delta):
-            self.best, self.best_epoch, self.wait = value, trainer.epoch, 0
+            self.best, self.best_epoch, self.wait = value, at, 0
         else:
             self.wait += 1
         if self.wait >= self.patience:
-            best = "none" if self.best is None else f"{self.best:.4g} at epoch {self.best_epoch}"
+            best = "none" if self.best is None else f"{self.best:.4g} at {unit} {self.best_epoch}"
+            counted = "epoch" if unit == "epoch" else "validation"
             self.reason = (f"{monitor} did not improve by {self.min_delta:g} for "
-                           f"{self.patience} epoch{'s' if self.patience > 1 else ''} (best {best})")
+                           f"{self.patience} {counted}{'s' if self.patience > 1 else ''} "
+                           f"(best {best})")
             trainer.request_stop(self.reason)
 
     def state_dict(self) -> dict[str, Any]:

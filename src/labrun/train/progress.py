@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class StepWindow:
-    """What happened since the last logged point: for loss, images/s and data-wait fraction."""
+    """What happened since the last logged point: for loss, samples/s and data-wait fraction."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -32,11 +32,14 @@ class StepWindow:
         self.samples = 0
         self.loss = torch.zeros((), device=self.device)
 
-    def metrics(self, lr: float) -> dict[str, float]:
+    def metrics(self, lr: float, units: dict[str, int]) -> dict[str, float]:
+        """`units`: what a sample holds (the task's: {"tokens": 256}), each a perf/UNIT_per_s."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
+        samples_per_s = self.samples / elapsed
         # Each step's loss is already the mean over ranks (Trainer.train_step).
         return {"train/loss": self.loss.item() / max(self.steps, 1), "train/lr": lr,
-                "perf/images_per_s": self.samples / elapsed,
+                "perf/samples_per_s": samples_per_s,
+                **{f"perf/{unit}_per_s": samples_per_s * n for unit, n in units.items()},
                 "perf/data_wait_frac": self.wait / elapsed}
 
 
@@ -46,6 +49,8 @@ def _format(metrics: dict[str, float]) -> str:
         name = key.split("/")[-1]
         if key == "perf/images_per_s":
             parts.append(f"{value:.0f} img/s")
+        elif key == "perf/tokens_per_s":
+            parts.append(f"{value:.0f} tok/s")
         elif key == "train/lr":
             parts.append(f"lr {value:.3g}")
         elif key == "perf/gpu_util":
@@ -71,8 +76,16 @@ class ProgressReporter:
         self.task = None
         self.started = time.time()
 
-    def start_epoch(self, epoch: int, max_epochs: int, steps: int, done: int = 0) -> None:
-        self.epoch_label = f"epoch {epoch + 1}/{max_epochs}"
+    def start_epoch(self, epoch: int, max_epochs: int | None, steps: int, done: int = 0,
+                    step: int = 0, max_steps: int | None = None) -> None:
+        """An epoch of `steps` steps, `done` of them already; with a step budget the bar ends
+        where the budget does."""
+        self.close()
+        if max_steps:
+            self.epoch_label = f"epoch {epoch + 1}"
+            steps = min(steps, done + max_steps - step)
+        else:
+            self.epoch_label = f"epoch {epoch + 1}/{max_epochs}"
         if self.mode == "bar":
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
                                 MofNCompleteColumn(), TimeRemainingColumn(),
@@ -89,13 +102,12 @@ class ProgressReporter:
         elif self.mode == "log" and metrics:
             log.info(f"{self.epoch_label} step {step}  {_format(metrics)}")
 
-    def end_epoch(self, metrics: dict[str, float], best: float | None, monitor: str) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
+    def validated(self, metrics: dict[str, float], best: float | None, monitor: str,
+                  step: int) -> None:
+        """A validation's line, printed above the bar (which goes on mid-epoch)."""
         if self.mode != "none":
             best_text = f"  (best {monitor} {best:.4f})" if best is not None else ""
-            log.info(f"{self.epoch_label}: {_format(metrics)}{best_text}")
+            log.info(f"{self.epoch_label} step {step}: {_format(metrics)}{best_text}")
 
     def message(self, text: str) -> None:
         if self.mode != "none":

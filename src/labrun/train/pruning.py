@@ -1,4 +1,5 @@
-"""Optuna pruning from inside a trial: report checkpoint.monitor each epoch, stop as "pruned".
+"""Optuna pruning from inside a trial: report checkpoint.monitor at each validation, stop as
+"pruned".
 
 labrun's Optuna sweeper (labrun.launch.optuna_sweeper) adds this callback to every trial it
 launches, as overrides that name the study and the trial:
@@ -8,11 +9,11 @@ launches, as overrides that name the study and the trial:
     +callbacks.optuna.study_name=train
     +callbacks.optuna.trial=3
 
-After each epoch's validation, rank 0 reports the epoch's checkpoint.monitor to the trial in
-the study's storage (the sweeper runs elsewhere: on SLURM, the trial is an array task on another
-node) and asks the study's pruner whether to go on. On "prune", every rank stops at the end of
-that epoch and the run ends with status "pruned" in summary.json (the reason in stopped_early);
-the sweeper then tells the study the trial was pruned. The pruner is the sweeper's
+After each validation, rank 0 reports checkpoint.monitor to the trial in the study's storage
+(by epoch when validation comes at epochs' ends, else by step: Trainer.point; the sweeper runs
+elsewhere: on SLURM, the trial is an array task on another node) and asks the study's pruner
+whether to go on. On "prune", every rank stops there and the run ends with status "pruned" in
+summary.json (the reason in stopped_early); the sweeper then tells the study the trial was pruned. The pruner is the sweeper's
 (`hydra.sweeper.pruner`, a MedianPruner by default), which the sweeper stores in the study's
 user attributes so that every trial judges with the same one.
 
@@ -61,20 +62,21 @@ class OptunaPruning(Callback):
         if trainer.dist.is_main:
             self.trial = self._connect()
 
-    def on_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         prune, value = False, None
+        unit, at = trainer.point  # by epoch when validation comes at epochs' ends, else step
         if self.trial is not None:
             monitor = trainer.cfg.checkpoint.monitor
             value = metrics.get(monitor)
             if value is not None:
                 # NaN is reported as such: the pruners prune a trial whose value is NaN.
-                self.trial.report(float(value), trainer.epoch)
+                self.trial.report(float(value), at)
                 prune = self.trial.should_prune()
         if _on_every_rank(prune, trainer):
             monitor = trainer.cfg.checkpoint.monitor
             shown = "" if value is None or not math.isfinite(value) else f" {value:.4g}"
             self.reason = (f"pruned by the study's {type(self.trial.study.pruner).__name__} "
-                           f"after epoch {trainer.epoch} ({monitor}{shown})"
+                           f"after {unit} {at} ({monitor}{shown})"
                            if self.trial is not None else "pruned by the study's pruner")
             trainer.request_stop(self.reason, status="pruned")
 

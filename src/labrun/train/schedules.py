@@ -1,6 +1,10 @@
 """Learning-rate schedules, stepped once per optimizer step, each with an optional linear warm-up.
 
-Built on torch's LambdaLR so the scheduler's state dict holds plain numbers only.
+The Trainer hands each the run's budget in optimizer steps (`total_steps`: trainer.max_steps,
+or steps per epoch x trainer.max_epochs) and the steps of an epoch, so a schedule's keys may
+count in either: `warmup_epochs` or `warmup_steps` (which wins when set), `step_epochs` or
+`step_every_n_steps`. Built on torch's LambdaLR so the scheduler's state dict holds plain
+numbers only.
 """
 
 from __future__ import annotations
@@ -29,22 +33,28 @@ def _step_factor(step: int, warmup_steps: int, every_steps: int, gamma: float) -
     return gamma ** ((step - warmup_steps) // max(1, every_steps))
 
 
-def cosine(optimizer: Optimizer, *, steps_per_epoch: int, max_epochs: int,
-           warmup_epochs: float = 0.0, min_lr_ratio: float = 0.0) -> LambdaLR:
-    warmup = round(warmup_epochs * steps_per_epoch)
+def _in_steps(steps: int | None, epochs: float, steps_per_epoch: int) -> int:
+    return steps if steps is not None else round(epochs * steps_per_epoch)
+
+
+def cosine(optimizer: Optimizer, *, steps_per_epoch: int, total_steps: int,
+           warmup_epochs: float = 0.0, warmup_steps: int | None = None,
+           min_lr_ratio: float = 0.0) -> LambdaLR:
+    warmup = _in_steps(warmup_steps, warmup_epochs, steps_per_epoch)
     return LambdaLR(optimizer, partial(_cosine_factor, warmup_steps=warmup,
-                                       total_steps=steps_per_epoch * max_epochs,
-                                       min_lr_ratio=min_lr_ratio))
+                                       total_steps=total_steps, min_lr_ratio=min_lr_ratio))
 
 
-def step(optimizer: Optimizer, *, steps_per_epoch: int, max_epochs: int,
-         warmup_epochs: float = 0.0, step_epochs: int = 30, gamma: float = 0.1) -> LambdaLR:
-    warmup = round(warmup_epochs * steps_per_epoch)
-    return LambdaLR(optimizer, partial(_step_factor, warmup_steps=warmup,
-                                       every_steps=step_epochs * steps_per_epoch, gamma=gamma))
+def step(optimizer: Optimizer, *, steps_per_epoch: int, total_steps: int,
+         warmup_epochs: float = 0.0, warmup_steps: int | None = None, step_epochs: int = 30,
+         step_every_n_steps: int | None = None, gamma: float = 0.1) -> LambdaLR:
+    warmup = _in_steps(warmup_steps, warmup_epochs, steps_per_epoch)
+    every = _in_steps(step_every_n_steps, step_epochs, steps_per_epoch)
+    return LambdaLR(optimizer, partial(_step_factor, warmup_steps=warmup, every_steps=every,
+                                       gamma=gamma))
 
 
-def constant(optimizer: Optimizer, *, steps_per_epoch: int, max_epochs: int,
-             warmup_epochs: float = 0.0) -> LambdaLR:
-    warmup = round(warmup_epochs * steps_per_epoch)
+def constant(optimizer: Optimizer, *, steps_per_epoch: int, total_steps: int,
+             warmup_epochs: float = 0.0, warmup_steps: int | None = None) -> LambdaLR:
+    warmup = _in_steps(warmup_steps, warmup_epochs, steps_per_epoch)
     return LambdaLR(optimizer, partial(_warmup, warmup_steps=warmup))

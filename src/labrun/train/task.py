@@ -21,6 +21,12 @@ batch)`, timm's `TrainingTask`). A task is a class with:
     eval_metrics(sums, split) -> {SPLIT/NAME: value}
     checkpoint_meta() -> dict                     what a checkpoint must carry to be used
                                                   alone (class names)
+    units: dict[str, int]                         optional: what a sample holds, for
+                                                  throughput: perf/UNIT_per_s beside
+                                                  perf/samples_per_s ({"tokens": 256})
+
+The task's config (conf/task/NAME.yaml) also sets checkpoint.monitor and checkpoint.mode: what
+a run of it is judged by unless the command line says otherwise.
 
 A lab adds one as a class like Classification and a conf/task/NAME.yaml naming it with
 `_target_` (docs/plugins.md).
@@ -58,6 +64,7 @@ class Classification:
     # labrun.config.validation checks checkpoint.monitor against it before any data loads,
     # without building the task.
     metric_names = ("loss", "acc", "acc5")
+    units = {"images": 1}  # perf/images_per_s
 
     def __init__(self) -> None:
         self.class_names: list[str] = []
@@ -144,6 +151,7 @@ class LanguageModelling:
 
     def __init__(self) -> None:
         self.tokenizer: dict[str, Any] = {}
+        self.units: dict[str, int] = {}  # {"tokens": the window}, once set up
 
     def build_model(self, model_cfg: DictConfig, info: dict[str, Any]) -> nn.Module:
         """The model for the data's vocabulary and window (`info`: vocab_size, block_size)."""
@@ -155,6 +163,7 @@ class LanguageModelling:
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:
         self.tokenizer = dict(info.get("tokenizer", {}))
+        self.units = {"tokens": int(info["block_size"])}  # perf/tokens_per_s
 
     def prepare(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,11 @@
 """Trainer: the training and evaluation loop, readable top to bottom.
 
-    fit()          epochs of train_epoch() + evaluate("val"), a checkpoint after each, then the
-                   best checkpoint on the test split when there is one
-    train_epoch()  optimizer steps until the epoch's end (or a stop signal)
+    fit()          train_epoch() until the budget (trainer.max_epochs, or trainer.max_steps)
+                   is spent, then the best checkpoint on the test split when there is one
+    train_epoch()  optimizer steps until the epoch's end, the budget's, or a stop
+    validate()     evaluate("val"), the callbacks that judge by it, then a checkpoint (the best
+                   one when it improved): at each epoch's end, or every
+                   trainer.val_every_n_steps steps, and when the budget ends mid-epoch
     train_step()   `accumulation` micro-batches forward/backward, then one optimizer step
 
 A step counts optimizer steps. The task (train/task.py) owns the batch: it moves it to the
@@ -86,8 +89,11 @@ class Trainer:
         self.steps_per_epoch = self.train_loader.sampler.steps_per_epoch()
         if trainer.limit_train_batches:
             self.steps_per_epoch = min(self.steps_per_epoch, trainer.limit_train_batches)
+        # The budget in optimizer steps, whichever way it was given (validation allows one).
+        self.max_steps = trainer.max_steps or self.steps_per_epoch * trainer.max_epochs
+        self.val_every = trainer.val_every_n_steps
         self.scheduler = instantiate(cfg.schedule)(
-            self.optimizer, steps_per_epoch=self.steps_per_epoch, max_epochs=trainer.max_epochs)
+            self.optimizer, steps_per_epoch=self.steps_per_epoch, total_steps=self.max_steps)
 
         self.precision = Precision(cfg.precision.name, self.device, cfg.precision.init_scale)
         self.scaler, self.autocast = self.precision.scaler, self.precision.autocast
@@ -110,9 +116,9 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def fit(self, tracker: Tracker, resume: dict[str, Any] | None = None) -> float | None:
-        """Train to trainer.max_epochs; return the best monitored value. `tracker` is finished
+        """Train to the budget; return the best monitored value. `tracker` is finished
         whatever happens (completed, failed, interrupted)."""
-        trainer, monitor = self.cfg.trainer, self.cfg.checkpoint.monitor
+        monitor = self.cfg.checkpoint.monitor
         self.tracker = tracker
         if resume is not None:
             self.load_state_dict(resume)
@@ -131,12 +137,13 @@ class Trainer:
                                    requeued=environment.read().restart_count)
         status, error = "failed", None
         try:
-            while self.epoch < trainer.max_epochs and self.stop_reason is None:
-                self.train_epoch()
-                val = self.evaluate("val")
-                self.epoch, self.position = self.epoch + 1, 0
-                self._call("on_epoch_end", val)  # before the checkpoint, which keeps its state
-                self.end_epoch(val)
+            while self.step < self.max_steps and self.stop_reason is None:
+                epoch_ended = self.train_epoch()
+                if epoch_ended:
+                    self.epoch, self.position = self.epoch + 1, 0
+                if ((epoch_ended and not self.val_every)
+                        or (self.step == self.max_steps and not self._validation_due())):
+                    self.validate()
                 if self.signals.agreed(self.dist.enabled, self.device):
                     self._stop_if_signalled()
             if self.stop_reason is not None:
@@ -168,20 +175,22 @@ class Trainer:
             self.tracker.finish(status, self.folder.summary)
             self.write_rank_record(status, resumed_from)
 
-    def train_epoch(self) -> None:
+    def train_epoch(self) -> bool:
+        """Train from the epoch's position on, to its end, the budget's, or a stop asked for at
+        a validation; True when the epoch's steps are done."""
         self.net.train()
         sampler = self.train_loader.sampler
         sampler.set_epoch(self.epoch, start=self.position)
         batches = iter(self.train_loader)
         done = self.position // self.per_rank_batch
         self.progress.start_epoch(self.epoch, self.cfg.trainer.max_epochs, self.steps_per_epoch,
-                                  done)
+                                  done, self.step, self.cfg.trainer.max_steps)
         # A run resumed mid-window carries on the checkpoint's window, so that its next logged
         # train/loss averages the same steps as an uninterrupted run's.
         window = self.window = self._resumed_window or StepWindow(self.device)
         self._resumed_window = None
         every_n = self.cfg.checkpoint.every_n_steps
-        while done < self.steps_per_epoch:
+        while done < self.steps_per_epoch and self.step < self.max_steps:
             try:
                 self.train_step(batches, window)
             except torch.OutOfMemoryError:
@@ -192,9 +201,11 @@ class Trainer:
             done += 1
             self.step += 1
             self.position += self.per_rank_batch
-            if self.step % self.cfg.trainer.log_every_n_steps == 0 or done == self.steps_per_epoch:
+            if (self.step % self.cfg.trainer.log_every_n_steps == 0
+                    or done == self.steps_per_epoch or self.step == self.max_steps):
                 self.check_finite()
-                metrics = window.metrics(self.optimizer.param_groups[0]["lr"])
+                metrics = window.metrics(self.optimizer.param_groups[0]["lr"],
+                                         getattr(self.task, "units", {}))
                 if self.gpus is not None:  # a float the NVML thread keeps: no wait here
                     util = self.gpus.take_utilization()
                     if util is not None:
@@ -205,11 +216,19 @@ class Trainer:
             else:
                 self.progress.update(done, self.step)
             self._call("on_step_end")
-            if every_n and self.step % every_n == 0 and done < self.steps_per_epoch:
+            if self._validation_due():
+                started = time.perf_counter()
+                self.validate()
+                if self.stop_reason is not None:  # a callback stopped the run at it
+                    break
+                self.net.train()
+                window.start += time.perf_counter() - started  # not training time
+            elif every_n and self.step % every_n == 0 and done < self.steps_per_epoch:
                 self.save_checkpoint()
             if self._signals_due() and self.signals.agreed(self.dist.enabled, self.device):
                 self.save_checkpoint()
                 self._stop_if_signalled()
+        return done == self.steps_per_epoch
 
     def train_step(self, batches, window: StepWindow) -> None:
         accumulation = self.per_rank_batch // self.micro
@@ -275,7 +294,11 @@ class Trainer:
         sums = all_reduce_sum(sums.to(self.device) if self.dist.enabled else sums).cpu()
         return self.task.eval_metrics(sums, split)
 
-    def end_epoch(self, val: dict[str, float]) -> None:
+    def validate(self) -> None:
+        """Validation, the callbacks that judge by it (before the checkpoint, which keeps their
+        state), then the checkpoint: best.pt too when checkpoint.monitor improved."""
+        val = self.evaluate("val")
+        self._call("on_validation_end", val)
         monitor = self.cfg.checkpoint.monitor
         value = val.get(monitor, self.folder.summary.get(monitor))
         improved = self.checkpoints.is_better(value, self.best)
@@ -285,7 +308,7 @@ class Trainer:
         self.log(point)
         self.folder.update_summary(epoch=self.epoch, step=self.step, **point)
         self.save_checkpoint(is_best=improved)
-        self.progress.end_epoch(val, self.best, monitor)
+        self.progress.validated(val, self.best, monitor, self.step)
 
     def test_best(self) -> None:
         if self.dist.enabled:
@@ -324,7 +347,7 @@ class Trainer:
         return all_reduce_sum(items.float()) / self.dist.world_size
 
     def request_stop(self, reason: str, status: str = "completed") -> None:
-        """For callbacks: end training after this epoch, saying why. The run ends "completed"
+        """For callbacks: end training at this validation, saying why. The run ends "completed"
         (early stopping), or "pruned" (a hyper-parameter search gave up on it: no test split
         evaluation, and its sweeper records the trial as pruned)."""
         if status not in ("completed", "pruned"):
@@ -381,6 +404,19 @@ class Trainer:
         raise NonFiniteLoss(f"loss became {first.loss} at step {first.step} (epoch "
                             f"{epoch}){kept}; lower optimizer.lr, use precision=fp32 "
                             f"or trainer.grad_clip, or trainer.nan_policy=skip")
+
+    def _validation_due(self) -> bool:
+        """Whether trainer.val_every_n_steps asks for a validation after this step."""
+        return bool(self.val_every) and self.step % self.val_every == 0
+
+    @property
+    def point(self) -> tuple[str, int]:
+        """Where training stands in the unit its validations come at: ("epoch", epochs done)
+        when they come at epochs' ends of an epoch budget, else ("step", steps done). Pruning
+        reports by it and early stopping names it."""
+        if self.val_every or self.cfg.trainer.max_steps:
+            return "step", self.step
+        return "epoch", self.epoch
 
     def _signals_due(self) -> bool:
         """Whether the ranks agree on stop signals after this step. Alone, a process reads its
