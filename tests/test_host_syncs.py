@@ -104,13 +104,20 @@ STEPS = ["trainer.max_epochs=1", "trainer.limit_train_batches=12", "trainer.log_
          "trainer.limit_val_batches=1", "optimizer=sgd", "model.dropout=0"]
 
 
+# A tiny language model on CPython's docs (dataset=python_docs converts them into tmp_path).
+LM = ["dataset=python_docs", "dataset.block_size=32", "model=gpt", "model.n_layer=1",
+      "model.n_head=2", "model.n_embd=32", "task=lm", "trainer.batch_size=16"]
+
+
 # One process in fp32 with gradient clipping, two (DDP) in bf16, and one in fp16 (GradScaler):
 # between them the step's paths that could sync (the loss and its non-finite check, autocast,
-# clipping's norm, the scaler, DDP's reduction), at a fraction of the cost of every pairing.
+# clipping's norm, the scaler, DDP's reduction), at a fraction of the cost of every pairing;
+# and the language-modelling task's (a count of scored tokens, a loss over them).
 @pytest.mark.parametrize(("devices", "precision", "extra"), [
-    (1, "fp32", ["trainer.grad_clip=1.0"]), (2, "bf16", []), (1, "fp16", [])],
-    ids=["fp32-clip", "ddp-bf16", "fp16"])
+    (1, "fp32", ["trainer.grad_clip=1.0"]), (2, "bf16", []), (1, "fp16", []), (1, "fp32", LM)],
+    ids=["fp32-clip", "ddp-bf16", "fp16", "lm"])
 def test_no_host_sync_between_log_points(tmp_path, precision, devices, extra):
+    extra = [*extra, f"paths.processed_dir={tmp_path / 'processed'}"]
     (tmp_path / "synccount.py").write_text(COUNTER)
     out = tmp_path / "syncs.json"
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import assert_identical, final_weights, read_metrics, read_summary, run_train
+from conftest import (
+    assert_identical,
+    final_weights,
+    read_metrics,
+    read_summary,
+    run_train,
+    start_train,
+    wait_for,
+)
 from labrun.core.errors import ConfigError
 from labrun.models.gpt import GPT
 from labrun.train.task import LanguageModelling
@@ -114,10 +124,10 @@ def test_the_task_builds_the_model_for_the_datas_vocabulary_and_window():
 
 
 # A tiny language model on Python's own documentation, bytes as tokens: seconds on the CPU. A
-# step budget of 20 (far inside one epoch), validated every 8 steps and at the budget's end;
+# step budget of 30 (far inside one epoch), validated every 8 steps and at the budget's end;
 # judged by val/loss, the task's own monitor (conf/task/lm.yaml).
 LM = ["dataset=tokens", "dataset.block_size=32", "model=gpt", "model.n_layer=1",
-      "model.n_head=2", "model.n_embd=32", "task=lm", "trainer.max_steps=20",
+      "model.n_head=2", "model.n_embd=32", "task=lm", "trainer.max_steps=30",
       "trainer.val_every_n_steps=8", "trainer.log_every_n_steps=4", "trainer.limit_val_batches=4",
       "trainer.batch_size=16", "schedule.warmup_steps=4", "checkpoint.every_n_steps=5",
       "checkpoint.keep_last=10"]
@@ -135,39 +145,85 @@ def token_folder(tmp_path_factory):
     return folder / "bytes"
 
 
-def test_a_language_model_trains_to_a_step_budget_validating_mid_epoch_and_resumes_exactly(
-        token_folder, tmp_path):
-    whole = tmp_path / "whole"
-    run_train(*LM, f"dataset.path={token_folder}", run_dir=whole)
-    summary = read_summary(whole)
-    assert summary["status"] == "completed" and summary["step"] == 20 and summary["epoch"] == 0
+@pytest.fixture(scope="module")
+def whole_run(token_folder, tmp_path_factory):
+    """The LM run, uninterrupted: what the runs below that stop and resume must end as."""
+    run_dir = tmp_path_factory.mktemp("lm-whole") / "run"
+    run_train(*LM, f"dataset.path={token_folder}", run_dir=run_dir)
+    return run_dir
+
+
+def val_points(run_dir) -> list[tuple[int, float]]:
+    return [(m["step"], m["val/loss"]) for m in read_metrics(run_dir) if "val/loss" in m]
+
+
+def test_a_language_model_trains_to_a_step_budget_validating_mid_epoch(whole_run):
+    summary = read_summary(whole_run)
+    assert summary["status"] == "completed" and summary["step"] == 30 and summary["epoch"] == 0
     assert summary["monitor"] == "val/loss" and summary["mode"] == "min"
     assert summary["val/ppl"] == pytest.approx(math.exp(summary["val/loss"]))
     assert summary["val/loss"] < math.log(256)  # better than a uniform guess over the bytes
-    metrics = read_metrics(whole)
+    metrics = read_metrics(whole_run)
     validated = [m for m in metrics if "val/loss" in m]
-    assert [m["step"] for m in validated] == [8, 16, 20]  # every 8, then the budget's end
+    assert [m["step"] for m in validated] == [8, 16, 24, 30]  # every 8, then the budget's end
     assert validated[-1]["best/val/loss"] == min(m["val/loss"] for m in validated)
     logged = [m for m in metrics if "perf/samples_per_s" in m]
-    assert [m["step"] for m in logged] == [4, 8, 12, 16, 20]
+    assert [m["step"] for m in logged] == [4, 8, 12, 16, 20, 24, 28, 30]
     assert all(m["perf/tokens_per_s"] == pytest.approx(32 * m["perf/samples_per_s"])
                for m in logged)
-    state = torch.load(whole / "checkpoints" / "last.pt", weights_only=True)
+    state = torch.load(whole_run / "checkpoints" / "last.pt", weights_only=True)
     assert state["tokenizer"]["kind"] == "bytes" and state["class_names"] == []
-    best = torch.load(whole / "checkpoints" / "best.pt", weights_only=True)
+    best = torch.load(whole_run / "checkpoints" / "best.pt", weights_only=True)
     assert best["step"] == min(validated, key=lambda m: m["val/loss"])["step"]
-    # From the step-10 checkpoint, mid-epoch and mid-interval, in a folder of its own: the same
-    # 10 steps again (the same windows, the same dropout of none), the same validations at 16
-    # and 20, the same weights bit for bit.
+
+
+def test_status_shows_a_language_models_rate_in_tokens(whole_run, capsys):
+    from labrun import cli
+
+    assert cli.main(["status", str(whole_run), "--json"]) == 0
+    (job,) = json.loads(capsys.readouterr().out)["jobs"]
+    logged = [m for m in read_metrics(whole_run) if "perf/tokens_per_s" in m]
+    assert job["unit"] == "tok/s" and job["verdict"] != "no data yet"
+    # The steady windows' tokens/s: within what its points logged.
+    assert min(m["perf/tokens_per_s"] for m in logged) <= job["rate"]
+    assert job["rate"] <= max(m["perf/tokens_per_s"] for m in logged)
+
+
+def test_resumed_mid_epoch_and_mid_interval_it_ends_bit_identical(whole_run, token_folder,
+                                                                   tmp_path):
+    """From the step-10 checkpoint, in a folder of its own: the same 20 steps again (the same
+    windows, the same dropout of none), the same validations, the same weights bit for bit."""
     resumed = tmp_path / "resumed"
     result = run_train(*LM, f"dataset.path={token_folder}",
-                       f"checkpoint.resume={whole / 'checkpoints' / 'step-00000010.pt'}",
+                       f"checkpoint.resume={whole_run / 'checkpoints' / 'step-00000010.pt'}",
                        run_dir=resumed)
     assert "resuming from" in result.stdout
-    assert_identical(final_weights(resumed), final_weights(whole))
-    again = [m for m in read_metrics(resumed) if "val/loss" in m and m["step"] > 10]
-    assert [(m["step"], m["val/loss"]) for m in again] == [
-        (m["step"], m["val/loss"]) for m in validated if m["step"] > 10]
+    assert_identical(final_weights(resumed), final_weights(whole_run))
+    assert val_points(resumed) == [p for p in val_points(whole_run) if p[0] > 10]
+
+
+def test_killed_with_sigkill_it_resumes_in_its_folder_bit_identical(whole_run, token_folder,
+                                                                     tmp_path):
+    """kill -9 once the step-10 checkpoint is on disk (20 steps before the end: mid-training
+    however fast the machine), then the same command again: it resumes from the newest
+    checkpoint and ends as the uninterrupted run, every validation once."""
+    run_dir = tmp_path / "run"
+    proc = start_train(*LM, f"dataset.path={token_folder}", run_dir=run_dir,
+                       output=subprocess.DEVNULL)
+    try:
+        wait_for(run_dir / "checkpoints" / "step-00000010.pt", proc)
+        proc.kill()
+        assert proc.wait(timeout=60) == -signal.SIGKILL  # died by the kill, not finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert read_summary(run_dir)["status"] == "running"  # as a kill -9 leaves it
+    result = run_train(*LM, f"dataset.path={token_folder}", run_dir=run_dir)
+    assert "resuming from" in result.stdout
+    assert read_summary(run_dir)["status"] == "completed"
+    assert_identical(final_weights(run_dir), final_weights(whole_run))
+    assert val_points(run_dir) == val_points(whole_run)
 
 
 def byte_unigram_perplexity(folder) -> float:

@@ -119,7 +119,7 @@ def test_a_sweep_shows_each_jobs_figures_and_verdict(sweep_dir, capsys):
         summary = read_summary(Path(job["run_dir"]))
         assert job["metric"] == summary["best/val/acc"] and job["monitor"] == "val/acc"
         # No GPU here: not measured is null, not zero.
-        assert job["gpu_util"] is None and job["images_per_s"] > 0
+        assert job["gpu_util"] is None and job["rate"] > 0 and job["unit"] == "img/s"
         # Two of the three train points: the epoch's first window is left out.
         assert job["points"] == 2
         assert job["thresholds"] == {"data_bound_wait_frac": 0.3, "gpu_idle_util": 0.3,
@@ -206,7 +206,7 @@ def test_the_latest_epoch_without_its_first_window_weighed_by_duration(tmp_path)
     figures = measure(RunDir(write_run(tmp_path / "run", rows)))
     assert figures.points == 2
     # 15 steps in 3/40 units of time: 200 steps' worth of images per unit.
-    assert figures.images_per_s == pytest.approx(200.0)
+    assert figures.rate == pytest.approx(200.0) and figures.unit == "img/s"
     assert figures.data_wait_frac == pytest.approx((0.0 * 1 + 0.5 * 2) / 3)
     assert figures.gpu_util == pytest.approx((0.9 * 1 + 0.5 * 2) / 3)
     assert figures.verdict == "data-bound"  # 33% > 30%
@@ -262,7 +262,7 @@ def test_no_data_yet_and_a_failed_runs_figures(tmp_path, capsys):
     running = write_run(tmp_path / "running", [{"step": 0, "epoch": 0}], status="running")
     failed = write_run(tmp_path / "failed", [train_point(10, 0, 90.0, 0.5)], status="failed")
     [job] = status_json(capsys, running)["jobs"]
-    assert (job["state"], job["verdict"], job["images_per_s"]) == ("running", "no data yet", None)
+    assert (job["state"], job["verdict"], job["rate"]) == ("running", "no data yet", None)
     assert "no data yet" in labrun_status(capsys, running)
     [job] = status_json(capsys, failed)["jobs"]
     # A single point is all there is: it counts, warm-up or not.

@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "files"),
     "resume": ("labrun.cli.rerun", "resume an interrupted run in its own folder"),
     "rerun": ("labrun.cli.rerun", "reproduce a run from scratch in a new folder"),
-    "status": ("labrun.cli.status", "a sweep's or a run's jobs: state, metric, images/s, data wait, verdict"),
+    "status": ("labrun.cli.status", "a sweep's or a run's jobs: state, metric, images/s or tokens/s, data wait, verdict"),
     "cancel": ("labrun.cli.cancel", "cancel a sweep's waiting and running jobs, from any terminal"),
     "gc": ("labrun.cli.gc", "remove the checkpoints a finished sweep's jobs need not keep"),
     "queue": ("labrun.cli.queue", "the SLURM cluster: GPUs in use, fair share, pending jobs"),

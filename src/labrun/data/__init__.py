@@ -85,32 +85,41 @@ class Data:
                world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False
                ) -> DataLoader:
         """Train: shuffled per epoch, whole optimizer steps only. Eval: in order, every sample once."""
-        train = split == "train"
         source = self.splits[split]
-        sampler = EpochSampler(len(source), seed, rank, world_size, shuffle=train,
-                               multiple=samples_per_step if train else 1, pad=train)
-        if train and len(sampler) == 0:
-            raise DataError(
-                f"{source.name} has {len(source)} samples, fewer than one optimizer step "
-                f"({samples_per_step * world_size}); lower trainer.batch_size")
-        workers = self.cfg.num_workers
         images = ImageDataset(source, self.transform(split), seed, split)
-        decode = self.cfg.get("decode", "workers")
-        batched_decode = decode != "workers"
-        # The loader's own generator: creating an iterator must not draw from the global RNG,
-        # or a resumed run (which creates its iterators at other times) would drift.
-        loader = DataLoader(batched.EncodedDataset(images) if batched_decode else images,
-                            batch_size=micro_batch_size, sampler=sampler, num_workers=workers,
-                            persistent_workers=workers > 0,
-                            # batched: nvJPEG copies the bytes itself; nothing to pin
-                            pin_memory=pin_memory and not batched_decode,
-                            prefetch_factor=4 if workers > 0 else None,
-                            collate_fn=batched.collate if batched_decode else None,
-                            generator=torch.Generator().manual_seed(seed))
+        batched_decode = self.cfg.get("decode", "workers") != "workers"
+        loader = epoch_loader(batched.EncodedDataset(images) if batched_decode else images,
+                              train=split == "train", micro_batch_size=micro_batch_size,
+                              seed=seed, rank=rank, world_size=world_size,
+                              samples_per_step=samples_per_step,
+                              # batched: nvJPEG copies the bytes itself; nothing to pin
+                              pin_memory=pin_memory and not batched_decode,
+                              num_workers=self.cfg.num_workers, name=source.name,
+                              collate_fn=batched.collate if batched_decode else None)
         if not batched_decode:
             return loader
-        decoder = batched.BatchDecoder(images, batched.decode_device(decode))
+        decoder = batched.BatchDecoder(images, batched.decode_device(self.cfg.decode))
         return batched.DecodedLoader(loader, decoder)
+
+
+def epoch_loader(samples: Dataset, *, train: bool, micro_batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1, samples_per_step: int = 1,
+                 pin_memory: bool = False, num_workers: int = 0, name: str = "the data",
+                 collate_fn: Callable | None = None) -> DataLoader:
+    """A loader of `samples` (a Dataset indexed by (epoch, index) keys, len() the number of
+    samples) in EpochSampler's order, with exact resume and DDP sharding: the image formats',
+    and that of a format making its own loaders (data/tokens.py, a lab's own)."""
+    sampler = EpochSampler(len(samples), seed, rank, world_size, shuffle=train,
+                           multiple=samples_per_step if train else 1, pad=train)
+    if train and len(sampler) == 0:
+        raise DataError(f"{name} has {len(samples)} samples, fewer than one optimizer step "
+                        f"({samples_per_step * world_size}); lower trainer.batch_size")
+    # The loader's own generator: creating an iterator must not draw from the global RNG, or a
+    # resumed run (which creates its iterators at other times) would drift.
+    return DataLoader(samples, batch_size=micro_batch_size, sampler=sampler,
+                      num_workers=num_workers, persistent_workers=num_workers > 0,
+                      prefetch_factor=4 if num_workers > 0 else None, pin_memory=pin_memory,
+                      collate_fn=collate_fn, generator=torch.Generator().manual_seed(seed))
 
 
 def build(cfg: DictConfig) -> Data:

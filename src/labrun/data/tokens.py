@@ -319,25 +319,14 @@ class TokenData:
 
     def loader(self, split: str, *, micro_batch_size: int, seed: int, rank: int = 0,
                world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False) -> Any:
-        import torch
-        from torch.utils.data import DataLoader
+        from labrun.data import epoch_loader
 
-        from labrun.data import EpochSampler
-
-        train = split == "train"
-        windows = TokenWindows(self.folder, split, self.block_size, seed, shuffle=train)
-        sampler = EpochSampler(len(windows), seed, rank, world_size, shuffle=train,
-                               multiple=samples_per_step if train else 1, pad=train)
-        if train and len(sampler) == 0:
-            raise DataError(f"{self.folder}: {split} holds {self.splits[split]:,} tokens, fewer "
-                            f"than one optimizer step of windows ({samples_per_step * world_size}"
-                            f" x {self.block_size + 1}); lower trainer.batch_size or "
-                            f"dataset.block_size")
-        workers = self.num_workers
-        return DataLoader(windows, batch_size=micro_batch_size, sampler=sampler,
-                          num_workers=workers, persistent_workers=workers > 0,
-                          prefetch_factor=4 if workers > 0 else None, pin_memory=pin_memory,
-                          generator=torch.Generator().manual_seed(seed))
+        windows = TokenWindows(self.folder, split, self.block_size, seed, shuffle=split == "train")
+        return epoch_loader(windows, train=split == "train", micro_batch_size=micro_batch_size,
+                            seed=seed, rank=rank, world_size=world_size,
+                            samples_per_step=samples_per_step, pin_memory=pin_memory,
+                            num_workers=self.num_workers,
+                            name=f"{self.folder} (windows of {self.block_size + 1} tokens)")
 
 
 def load(path: str, block_size: int, num_workers: int = 0) -> TokenData:

@@ -1,8 +1,10 @@
-"""How well a run uses its hardware, from its own folder: images/s, the fraction of time it
-waits for data, GPU utilisation, and a verdict with what to change (`labrun status`).
+"""How well a run uses its hardware, from its own folder: its rate (in its task's unit: images/s,
+tokens/s, else samples/s), the fraction of time it waits for data, GPU utilisation, and a
+verdict with what to change (`labrun status`).
 
 The figures are metrics.jsonl's train points. Each covers the steps since the point before it
-(train/progress.py, StepWindow): `perf/images_per_s` (images over all ranks),
+(train/progress.py, StepWindow): the rate (`perf/tokens_per_s`, `perf/images_per_s` or
+`perf/samples_per_s`, over all ranks),
 `perf/data_wait_frac` (rank 0's host time blocked on the loader) and, when NVML saw the node's
 GPUs, `perf/gpu_util` (0..1, mean over the run's GPUs on rank 0's node).
 
@@ -34,7 +36,10 @@ from omegaconf import DictConfig, OmegaConf
 from labrun.config.schema import MonitorConfig
 from labrun.runs.rundir import RunDir, is_metric_value
 
-IMAGES_PER_S = "perf/images_per_s"
+# The metric a run's rate is read from, with its unit: the first of these its points log (its
+# task's unit, else samples).
+RATES = (("perf/tokens_per_s", "tok/s"), ("perf/images_per_s", "img/s"),
+         ("perf/samples_per_s", "samples/s"))
 DATA_WAIT_FRAC = "perf/data_wait_frac"
 GPU_UTIL = "perf/gpu_util"
 
@@ -54,7 +59,8 @@ IMAGEFOLDER_TARGET = "labrun.data.imagefolder.load"
 
 @dataclass
 class Efficiency:
-    images_per_s: float | None
+    rate: float | None  # in `unit`
+    unit: str  # tok/s | img/s | samples/s
     data_wait_frac: float | None
     gpu_util: float | None  # None: not measured (no GPU, or no NVML on the node)
     verdict: str  # DATA_BOUND | GPU_IDLE | UNDERUSED | HEALTHY | NO_DATA
@@ -72,17 +78,20 @@ def measure(run_dir: RunDir) -> Efficiency:
     config = _saved_config(run_dir)
     thresholds = {name: _number(config, f"monitor.{name}", default)
                   for name, default in DEFAULT_THRESHOLDS.items()}
-    points = steady_points(run_dir.read_metrics())
-    images_per_s, data_wait, gpu_util = aggregate(points)
-    verdict, reason, fix = judge(images_per_s, data_wait, gpu_util, thresholds, config)
-    return Efficiency(images_per_s, data_wait, gpu_util, verdict, reason, fix, thresholds,
+    rows = run_dir.read_metrics()
+    key, unit = next(((key, unit) for key, unit in RATES if any(key in row for row in rows)),
+                     RATES[1])
+    points = steady_points(rows, key)
+    rate, data_wait, gpu_util = aggregate(points, key)
+    verdict, reason, fix = judge(rate, data_wait, gpu_util, thresholds, config)
+    return Efficiency(rate, unit, data_wait, gpu_util, verdict, reason, fix, thresholds,
                       len(points))
 
 
-def steady_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def steady_points(rows: list[dict[str, Any]], rate: str) -> list[dict[str, Any]]:
     """The train points the figures come from (see the module's docstring), each with
-    "_steps": the optimizer steps its window covered."""
-    train = [row for row in rows if is_metric_value(row.get(IMAGES_PER_S))
+    "_steps": the optimizer steps its window covered; `rate`: the metric of the run's rate."""
+    train = [row for row in rows if is_metric_value(row.get(rate))
              and is_metric_value(row.get(DATA_WAIT_FRAC))]
     if not train:
         return []
@@ -95,33 +104,34 @@ def steady_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for row in chosen]
 
 
-def aggregate(points: list[dict[str, Any]]) -> tuple[float | None, float | None, float | None]:
-    """(images/s, data-wait fraction, GPU utilisation) over the points' windows, each window
+def aggregate(points: list[dict[str, Any]], rate: str
+              ) -> tuple[float | None, float | None, float | None]:
+    """(the rate, data-wait fraction, GPU utilisation) over the points' windows, each window
     weighed by its duration; GPU utilisation over the windows that have it (None: none)."""
     if not points:
         return None, None, None
     # A window in which no step finished (every loss non-finite) has no rate to derive its
     # length from: it is left out, unless it is all there is.
-    timed = [p for p in points if p[IMAGES_PER_S] > 0]
+    timed = [p for p in points if p[rate] > 0]
     if not timed:
         return 0.0, sum(p[DATA_WAIT_FRAC] for p in points) / len(points), None
-    # Durations in units of "one step's images" (the batch size, the same for every window).
-    durations = [p["_steps"] / p[IMAGES_PER_S] for p in timed]
+    # Durations in units of "one step's items" (the batch's, the same for every window).
+    durations = [p["_steps"] / p[rate] for p in timed]
     total = sum(durations)
-    images_per_s = sum(p["_steps"] for p in timed) / total
+    per_s = sum(p["_steps"] for p in timed) / total
     data_wait = sum(p[DATA_WAIT_FRAC] * d for p, d in zip(timed, durations, strict=True)) / total
     gpu = [(p[GPU_UTIL], d) for p, d in zip(timed, durations, strict=True)
            if is_metric_value(p.get(GPU_UTIL))]
     gpu_util = sum(u * d for u, d in gpu) / sum(d for _, d in gpu) if gpu else None
-    return images_per_s, data_wait, gpu_util
+    return per_s, data_wait, gpu_util
 
 
-def judge(images_per_s: float | None, data_wait: float | None, gpu_util: float | None,
+def judge(rate: float | None, data_wait: float | None, gpu_util: float | None,
           thresholds: dict[str, float], config: DictConfig | None
           ) -> tuple[str, str | None, str | None]:
     """(verdict, reason, fix). Data comes first: GPUs that wait for data are idle because of
     it, and more batch per step would only wait longer."""
-    if images_per_s is None or data_wait is None:
+    if rate is None or data_wait is None:
         return NO_DATA, None, None
     if data_wait > thresholds["data_bound_wait_frac"]:
         return DATA_BOUND, f"waits {data_wait:.0%} of the time for data", _data_fix(config)

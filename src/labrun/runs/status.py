@@ -4,8 +4,8 @@ folder: its state, its metric and how well it uses its hardware, now.
 Works for detached SLURM sweeps (`cluster.detach=true`) and for local ones: the job list comes
 from the sweep's jobs.json, the state from each job's own summary.json, and, for jobs that
 have not written a result yet, from the sweep's scheduler (core/scheduler: one query for all of
-them). The figures (images/s, data-wait fraction, GPU
-utilisation) and the verdict with its fix come from each run folder (runs/efficiency.py).
+them). The figures (the rate in the task's unit: images/s, tokens/s; the data-wait fraction,
+GPU utilisation) and the verdict with its fix come from each run folder (runs/efficiency.py).
 """
 
 from __future__ import annotations

@@ -292,15 +292,18 @@ STYLE = {"completed": "green", "skipped": "green", "pruned": "blue", "failed": "
 def print_table(jobs: list[Job], title: str, console: Console | None = None,
                 efficiency: dict[int, Efficiency] | None = None, sweep: bool = True) -> None:
     """The jobs' table; with `efficiency` (job num -> its figures, `labrun status`), columns
-    for images/s, data wait, GPU utilisation and the verdict. `sweep`: a sweep's jobs (a run
+    for the rate (img/s, tok/s: the unit in the header when every job has the same), data
+    wait, GPU utilisation and the verdict. `sweep`: a sweep's jobs (a run
     folder alone gets no advice about re-running the sweep)."""
     # Not a terminal (a log file, CI): wide enough that paths stay on one line.
     console = console or Console(width=None if sys.stdout.isatty() else 200)
     table = Table(title=title, title_justify="left")
     for column in ("job", "overrides", "state", "best"):
         table.add_column(column, no_wrap=column in ("state", "best"))
+    units = {figures.unit for figures in (efficiency or {}).values()}
+    unit = units.pop() if len(units) == 1 else None  # None: each cell says its own
     if efficiency is not None:
-        for column in ("img/s", "data wait", "GPU"):
+        for column in (unit or "rate", "data wait", "GPU"):
             table.add_column(column, no_wrap=True, justify="right")
         table.add_column("verdict", no_wrap=True)
     table.add_column("id", no_wrap=True)
@@ -310,7 +313,7 @@ def print_table(jobs: list[Job], title: str, console: Console | None = None,
         state = "completed (earlier)" if job.state == "skipped" else job.state
         detail = job.error if job.error and job.state not in FINISHED else ""
         where = job.log or job.dir
-        figures = [] if efficiency is None else _efficiency_cells(efficiency[job.num])
+        figures = [] if efficiency is None else _efficiency_cells(efficiency[job.num], unit)
         # Overrides, paths and errors as text, not rich markup: mounts=[/opt/lab] is no tag.
         table.add_row(str(job.num), Text(labels[job.num]),
                       f"[{STYLE.get(job.state, '')}]{state}",
@@ -327,12 +330,15 @@ VERDICT_STYLE = {"healthy": "green", "data-bound": "red", "GPU idle": "yellow",
                  "underused": "yellow", "no data yet": "dim"}
 
 
-def _efficiency_cells(figures: Efficiency) -> list[str]:
-    """img/s, data wait, GPU, verdict; "-" for a figure not measured."""
+def _efficiency_cells(figures: Efficiency, unit: str | None) -> list[str]:
+    """The rate (with its unit unless the header has it), data wait, GPU, verdict; "-" for a
+    figure not measured."""
     def percent(value: float | None) -> str:
         return "-" if value is None else f"{value:.0%}"
 
-    rate = figures.images_per_s
+    rate = figures.rate
     rate = "-" if rate is None else f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+    if unit is None and figures.rate is not None:
+        rate = f"{rate} {figures.unit}"
     verdict = f"[{VERDICT_STYLE.get(figures.verdict, '')}]{figures.verdict}"
     return [rate, percent(figures.data_wait_frac), percent(figures.gpu_util), verdict]

@@ -1,0 +1,117 @@
+"""Regression on scikit-learn's diabetes data (442 patients, 10 features, bundled with
+scikit-learn: nothing downloaded), as a lab adds a task without touching labrun: this module on
+PYTHONPATH, and conf/experiment/diabetes.yaml on Hydra's search path.
+
+    PYTHONPATH=examples/regression python train.py \
+        'hydra.searchpath=[file://examples/regression/conf]' experiment=diabetes
+
+What labrun asks of it: a dataset (splits, what it declares to the task, loaders in labrun's
+sample order: labrun.data.epoch_loader gives exact resume and DDP sharding), a model, and a
+task that owns the batch (labrun.train.task's protocol).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812 - torch's own name for it
+from torch import nn
+from torch.utils.data import Dataset
+
+from labrun import models
+from labrun.data import epoch_loader
+
+
+class Rows(Dataset):
+    """(epoch, index) -> (features, target): the keys labrun's sampler gives."""
+
+    def __init__(self, features: np.ndarray, targets: np.ndarray):
+        self.features = torch.as_tensor(features, dtype=torch.float32)
+        self.targets = torch.as_tensor(targets, dtype=torch.float32)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        _, index = key
+        return self.features[index], self.targets[index]
+
+
+class Diabetes:
+    """The patients in a fixed random order: test, then val, then train. The target (disease
+    progression after a year) is standardised by train's mean and spread."""
+
+    def __init__(self, val_fraction: float, test_fraction: float, num_workers: int):
+        from sklearn.datasets import load_diabetes
+
+        features, targets = load_diabetes(return_X_y=True)
+        order = np.random.default_rng(0).permutation(len(targets))
+        n_test, n_val = round(test_fraction * len(order)), round(val_fraction * len(order))
+        parts = {"test": order[:n_test], "val": order[n_test:n_test + n_val],
+                 "train": order[n_test + n_val:]}
+        mean, std = targets[parts["train"]].mean(), targets[parts["train"]].std()
+        self.rows = {split: Rows(features[rows], (targets[rows] - mean) / std)
+                     for split, rows in parts.items()}
+        self.num_workers = num_workers
+
+    @property
+    def splits(self) -> dict[str, int]:
+        return {split: len(rows) for split, rows in self.rows.items()}
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return {"features": self.rows["train"].features.shape[1]}
+
+    def loader(self, split: str, **sizes: Any) -> torch.utils.data.DataLoader:
+        return epoch_loader(self.rows[split], train=split == "train", name="diabetes",
+                            num_workers=self.num_workers, **sizes)
+
+
+def load(val_fraction: float = 0.15, test_fraction: float = 0.15, num_workers: int = 0
+         ) -> Diabetes:
+    """The dataset's `_target_`: labrun calls it with the dataset keys it names."""
+    return Diabetes(val_fraction, test_fraction, num_workers)
+
+
+class MLP(nn.Sequential):
+    def __init__(self, features: int, width: int = 64):
+        super().__init__(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, 1))
+
+
+class Regression:
+    """Mean squared error; val/loss (its mean) and val/mae."""
+
+    num_sums = 3  # squared errors, absolute errors, count
+    metric_names = ("loss", "mae")
+
+    def build_model(self, model_cfg, info: dict[str, Any]) -> nn.Module:
+        return models.build(model_cfg, features=info["features"])
+
+    def setup(self, info: dict[str, Any], device: torch.device, memory_format: Any) -> None:
+        pass
+
+    def prepare(self, batch, device: torch.device):
+        return tuple(t.to(device) for t in batch)
+
+    def count(self, batch) -> int:
+        return len(batch[1])
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        features, targets = batch
+        return F.mse_loss(model(features).squeeze(1), targets, reduction="sum")
+
+    def eval_sums(self, model: nn.Module, batch) -> torch.Tensor:
+        features, targets = batch
+        error = model(features).squeeze(1).float() - targets
+        return torch.stack([error.square().sum(), error.abs().sum(),
+                            torch.tensor(float(len(targets)), device=error.device)])
+
+    def eval_metrics(self, sums: torch.Tensor, split: str) -> dict[str, float]:
+        squared, absolute, count = sums.tolist()
+        count = max(count, 1.0)
+        return {f"{split}/loss": squared / count, f"{split}/mae": absolute / count}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {}
