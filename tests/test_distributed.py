@@ -79,6 +79,24 @@ def test_two_local_processes_train_one_run(tmp_path, ddp_short_one_process):
     assert abs(loss_two - loss_one) <= DDP_LOSS_TOLERANCE, (loss_two, loss_one)
 
 
+def test_a_language_model_in_two_processes_equals_one(tmp_path):
+    """task=lm's count is a tensor of scored tokens, summed across the ranks on the device:
+    two processes of 8 windows each step end where one process of 16 does."""
+    lm = ["dataset=python_docs", f"paths.processed_dir={tmp_path / 'processed'}",
+          "dataset.block_size=32", "model=gpt", "model.n_layer=1", "model.n_head=2",
+          "model.n_embd=32", "task=lm", "trainer.max_steps=8", "trainer.val_every_n_steps=8",
+          "trainer.batch_size=16", "trainer.limit_val_batches=4", "trainer.log_every_n_steps=4"]
+    run_train("trainer.devices=2", *lm, run_dir=tmp_path / "two")
+    run_train("trainer.devices=1", *lm, run_dir=tmp_path / "one",
+              env={"OMP_NUM_THREADS": "1"})
+    assert_both_ranks_trained(rank_records(tmp_path / "two"), steps=8)
+    difference = max_difference(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
+    print(f"LM, devices=2 vs devices=1: weights differ by at most {difference:.2e}")
+    assert difference <= DDP_WEIGHT_TOLERANCE
+    loss_two, loss_one = (read_summary(tmp_path / d)["val/loss"] for d in ("two", "one"))
+    assert abs(loss_two - loss_one) <= DDP_LOSS_TOLERANCE, (loss_two, loss_one)
+
+
 def test_micro_batches_and_ranks_holding_different_numbers_of_items_equal_one_batch(tmp_path):
     """4 micro-batches on 2 ranks, each holding its own number of items (EvenLabels ignores odd
     labels): every rank divides by the items of the whole step, summed across the ranks, so
