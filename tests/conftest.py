@@ -254,7 +254,7 @@ def composed(tmp_path):
 
 @pytest.fixture(autouse=True)
 def fresh_run_token(monkeypatch):
-    """Composing a config in this process sets LABRUN_RUN_TOKEN (config.run_token), which the
+    """Composing a config in this process sets LABRUN_RUN_TOKEN (config.resolvers.run_token), which the
     processes it starts inherit, so that the ranks of one run share its folder: no test may
     hand its token on to the runs of the next (they would all train into one folder)."""
     monkeypatch.delenv("LABRUN_RUN_TOKEN", raising=False)

@@ -18,13 +18,11 @@ key labrun takes.
 
 from __future__ import annotations
 
-import os
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 from labrun.config.fields import key
 from labrun.config.keys import NewKeys
@@ -421,7 +419,7 @@ SCHEMAS: dict[str, Any] = {
 
 
 def register() -> None:
-    """Put the schemas into Hydra's ConfigStore (idempotent) and add labrun's resolvers."""
+    """Put the schemas into Hydra's ConfigStore (idempotent); the resolvers: config/resolvers.py."""
     store = ConfigStore.instance()
     for path, node in SCHEMAS.items():
         group, _, name = path.rpartition("/")
@@ -431,21 +429,3 @@ def register() -> None:
                 node={"_target_": PLUGIN + "LabrunLocalLauncher"})
     store.store(group="hydra/launcher", name="labrun_slurm",
                 node={"_target_": PLUGIN + "LabrunSlurmLauncher"})
-    if not OmegaConf.has_resolver("labrun.token"):
-        OmegaConf.register_new_resolver("labrun.token", run_token)
-    if not OmegaConf.has_resolver("labrun.unless"):
-        OmegaConf.register_new_resolver("labrun.unless", unless)
-
-
-def unless(given: Any, value: Any) -> Any:
-    """`${labrun.unless:${trainer.max_steps},12}`: 12 epochs unless a step budget is given."""
-    return value if given is None else None
-
-
-def run_token() -> str:
-    """A short random token that keeps run folders started in the same second apart.
-
-    Kept in the environment so that every process of one launch (sweep jobs, DDP ranks)
-    resolves the same folder name.
-    """
-    return os.environ.setdefault("LABRUN_RUN_TOKEN", secrets.token_hex(2))
