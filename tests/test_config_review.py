@@ -18,7 +18,12 @@ from labrun.config.review import _changes, review
 from labrun.config.review_render import MARKER, markdown
 from labrun.core.secrets import REDACTED
 
-EXPERIMENTS = ["defaults", "experiment=digits_fast", "experiment=resnet18_cifar10", "lr_sweep"]
+# What a review composes: the defaults, every preset in conf/experiment/, and the override list
+# the fixture writes into conf/review.yaml.
+EXPERIMENTS = ["defaults", *(f"experiment={path.stem}"
+                             for path in sorted((PROJECT / "conf" / "experiment").glob("*.yaml"))),
+               "lr_sweep"]
+N = len(EXPERIMENTS)
 
 
 def git(repo: Path, *args: str) -> str:
@@ -98,7 +103,7 @@ def test_shared_default_changes_every_experiment_that_uses_it(repo):
     assert table["experiment=resnet18_cifar10"] == ("unchanged", [])
     assert table["lr_sweep"] == ("unchanged", [])
     assert found.groups == {"changed": ["optimizer/adamw"]}
-    assert found.summary() == "2 of 4 experiments change results"
+    assert found.summary() == f"2 of {N} experiments change results"
     assert found.exit_code == 0
 
 
@@ -108,7 +113,7 @@ def test_one_experiment_and_the_override_list_built_on_it(repo):
     assert table["experiment=resnet18_cifar10"] == ("changes results", [change])
     assert table["lr_sweep"] == ("changes results", [change])
     assert table["defaults"] == table["experiment=digits_fast"] == ("unchanged", [])
-    assert found.summary() == "2 of 4 experiments change results"
+    assert found.summary() == f"2 of {N} experiments change results"
 
 
 def test_new_option_and_a_renamed_one_change_no_experiment(repo):
@@ -128,7 +133,7 @@ def test_renamed_key_an_experiment_overrides_no_longer_composes(repo):
     error = next(e.error for e in found.experiments if e.name == "lr_sweep")
     assert "momentum" in error, error
     assert table["defaults"] == ("unchanged", [])
-    assert found.summary() == "0 of 4 experiments change results; 2 no longer compose"
+    assert found.summary() == f"0 of {N} experiments change results; 2 no longer compose"
     assert found.exit_code == 1
     # The override list's credential-looking value never reaches the output.
     assert "hunter2" not in found.to_json() and "+api_token=<redacted>" in found.to_json()
