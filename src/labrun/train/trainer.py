@@ -11,8 +11,7 @@
 A step counts optimizer steps. The task (train/task.py) owns the batch: it moves it to the
 device and prepares it, and computes the loss summed over the batch's items; the Trainer
 divides by the items of the whole optimizer step, over every micro-batch and rank. Everything
-needed to continue exactly (weights, optimizer, schedule, scaler, RNG states, position in the
-epoch's sample order) is in the checkpoint.
+needed to continue exactly is in the checkpoint (run_state.py puts it together and back).
 
 The loop's parts live with their owners: mixed precision (precision.py), stop signals
 (stop_signals.py), the checkpoint format (checkpoint.py), the run folder (runs/rundir.py), the
@@ -27,11 +26,10 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import labrun
 from labrun.core import environment
 from labrun.core.errors import LabrunError, RunInterrupted, one_line
 from labrun.data import Data
@@ -41,7 +39,8 @@ from labrun.track.loggers import NoTracker, Tracker
 from labrun.track.metrics_endpoint import GpuPoller, TrainingStats
 from labrun.train import callbacks as callback_registry
 from labrun.train import checkpoint as ckpt
-from labrun.train.checkpoint import CheckpointManager, CheckpointState
+from labrun.train import run_state
+from labrun.train.checkpoint import CheckpointManager
 from labrun.train.distributed import Distributed, all_reduce_sum
 from labrun.train.nonfinite import NonFiniteWatch
 from labrun.train.precision import Precision
@@ -121,7 +120,7 @@ class Trainer:
         monitor = self.cfg.checkpoint.monitor
         self.tracker = tracker
         if resume is not None:
-            self.load_state_dict(resume)
+            run_state.restore(self, resume)
             self.progress.message(f"resumed at epoch {self.epoch + 1}, step {self.step}")
         self._call("on_fit_start")
         resumed_from = self.step
@@ -435,51 +434,9 @@ class Trainer:
         raise RunInterrupted(f"{name} at step {self.step}: checkpoint saved; resume with: "
                              f"labrun resume {self.folder.path}")
 
-    # -- checkpoint state ----------------------------------------------------------------------
+    # -- checkpoints (their contents: run_state.py) ----------------------------------------------
 
     def save_checkpoint(self, is_best: bool = False) -> None:
         self.check_finite()  # on every rank: a checkpoint of non-finite weights is never written
         if self.dist.is_main:
-            self.checkpoints.save(self.state_dict(), self.step, is_best=is_best)
-
-    def state_dict(self) -> CheckpointState:
-        """The one place a checkpoint's contents are put together (checkpoint.CheckpointState)."""
-        return {
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "epoch": self.epoch,
-            "step": self.step,
-            "rng": ckpt.rng_state(),
-            "data": {"epoch": self.epoch, "position": self.position,
-                     "micro_batch_size": self.micro},
-            "best": self.best,
-            # The steps since the last logged point (see train_epoch).
-            "log_window": {"loss": self.window.loss.detach().cpu(), "steps": self.window.steps},
-            "wandb_run_id": self.tracker.run_id,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
-            **self.task.checkpoint_meta(),  # class_names for classification
-            "labrun_version": labrun.__version__,
-            "callbacks": {name: cb.state_dict() for name, cb in self.callbacks.items()},
-        }
-
-    def load_state_dict(self, state: CheckpointState) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.step, self.best = state["step"], state["best"]
-        self.epoch, self.position = state["data"]["epoch"], state["data"]["position"]
-        if self.auto_micro and state["data"]["micro_batch_size"] != self.micro:
-            self.micro = state["data"]["micro_batch_size"]  # keep what fitted in memory
-            self.train_loader = self._train_loader()
-        if "log_window" in state:  # absent from checkpoints written before labrun kept it
-            self._resumed_window = StepWindow(self.device)
-            self._resumed_window.loss += state["log_window"]["loss"].to(self.device)
-            self._resumed_window.steps = state["log_window"]["steps"]
-        for name, callback_state in state.get("callbacks", {}).items():
-            if name in self.callbacks:  # a callback added on resume starts fresh
-                self.callbacks[name].load_state_dict(callback_state)
-        ckpt.set_rng_state(state["rng"])  # job.py has cut metrics.jsonl back to this step already
-        self.folder.summary.update({f"best/{self.cfg.checkpoint.monitor}": self.best})
+            self.checkpoints.save(run_state.capture(self), self.step, is_best=is_best)
