@@ -370,6 +370,29 @@ def digits_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def python_docs_tokens(tmp_path_factory) -> Path:
+    """A token folder (dataset=tokens) of the documentation text inside CPython, one byte a
+    token: real text for the language-model tests, written once for the session."""
+
+    def convert(folder: Path) -> None:
+        from pydoc_data.topics import topics
+
+        from labrun.data import tokens
+
+        (folder / "topics.txt").write_text("".join(topics.values()))
+        tokens.convert_text([folder / "topics.txt"], folder / "bytes", "bytes")
+
+    return built_once(tmp_path_factory, "python_docs_tokens", convert) / "bytes"
+
+
+# A language model small enough for a few steps in a second or two: the sweeps and guarantees
+# of task=lm (dataset.path= a token folder, such as python_docs_tokens).
+LM_TINY = ["dataset=tokens", "dataset.block_size=32", "model=gpt", "model.n_layer=1",
+           "model.n_head=2", "model.n_embd=32", "task=lm", "trainer.batch_size=16",
+           "schedule.warmup_steps=4"]
+
+
+@pytest.fixture(scope="session")
 def onnx_model(digits_run, tmp_path_factory) -> Path:
     """digits_run exported to ONNX once, for the serving tests (which only read it)."""
     folder = built_once(tmp_path_factory, "digits_onnx", lambda folder: run_labrun(

@@ -1,8 +1,9 @@
 """Sweeps on a real SLURM cluster (scripts/slurm_up.sh; cluster=slurm_dev uses its CPU
 partition dev, with slurmdbd accounting) through submitit: job arrays, DDP with two tasks,
-preemption and requeue (bit-exact weights, a whole W&B history), cancelling on Ctrl-C and with `labrun cancel`, detached submission, a
-sweep that outlives its terminal (SIGHUP) and is attached to, an Optuna study with its trials
-in flight, and requests no node can satisfy."""
+preemption and requeue (bit-exact weights, a whole W&B history), cancelling on Ctrl-C and
+with `labrun cancel`, detached submission, a sweep that outlives its terminal (SIGHUP) and is
+attached to, an Optuna study with its trials in flight, and requests no node can satisfy. The
+array and the study sweep a language model (task=lm, a step budget); the others classify."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from conftest import (
     DETERMINISTIC,
     FAST,
     LABRUN,
+    LM_TINY,
     PROJECT,
     PYTHON,
     assert_identical,
@@ -100,8 +102,14 @@ def sacct_state(job_id: str) -> str:
     return out[0] if out else "UNKNOWN"
 
 
-def test_three_job_sweep_is_one_array_and_runs_the_snapshot(tmp_path):
-    result = run_sweep(tmp_path, "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+# A language model's jobs (task=lm, a step budget validated mid-epoch): the cluster tests'
+# classification jobs cover the epoch budget.
+LM_STEPS = [*LM_TINY, "trainer.max_steps=4", "trainer.val_every_n_steps=2",
+            "trainer.limit_val_batches=2"]
+
+
+def test_three_job_sweep_is_one_array_and_runs_the_snapshot(tmp_path, python_docs_tokens):
+    result = run_sweep(tmp_path, *LM_STEPS, f"dataset.path={python_docs_tokens}",
                        "optimizer.lr=0.001,0.003,0.01")
     assert result.returncode == 0, result.stdout + result.stderr
     ids = [job["job_id"] for job in manifest(tmp_path)["jobs"]]
@@ -109,7 +117,10 @@ def test_three_job_sweep_is_one_array_and_runs_the_snapshot(tmp_path):
     assert sorted(i.split("_")[1] for i in ids) == ["0", "1", "2"]
     for num in range(3):
         run = tmp_path / str(num)
-        assert read_summary(run)["status"] == "completed"
+        summary = read_summary(run)
+        assert (summary["status"], summary["step"], summary["monitor"]) == (
+            "completed", 4, "val/loss")
+        assert [m["step"] for m in read_metrics(run) if "val/ppl" in m] == [2, 4]
         assert {"metrics.jsonl", "summary.json", "checkpoints", "provenance", ".hydra"} <= {
             p.name for p in run.iterdir()}
         env = json.loads((run / "provenance" / "environment.json").read_text())
@@ -352,18 +363,18 @@ def read_summary_or_none(run_dir: Path) -> dict:
         return {}
 
 
-def test_an_optuna_study_keeps_n_jobs_trials_in_flight_each_its_own_job(tmp_path):
-    # hparams_search=optuna on SLURM: four trials, two in flight, each trial one SLURM job
-    # submitted as the study asks for it, every trial reporting to the study's journal file in
-    # the sweep folder from its node.
+def test_an_optuna_study_keeps_n_jobs_trials_in_flight_each_its_own_job(tmp_path,
+                                                                        python_docs_tokens):
+    # hparams_search=optuna on SLURM: four trials of a language model, two in flight, each
+    # trial one SLURM job submitted as the study asks for it, every trial reporting to the
+    # study's journal file in the sweep folder from its node at each validation step.
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     proc = subprocess.Popen(sweep_args(tmp_path, "hparams_search=optuna",
                                        "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
-                                       "trainer.max_epochs=2", "trainer.limit_train_batches=3",
-                                       "trainer.limit_val_batches=2"),
+                                       *LM_STEPS, f"dataset.path={python_docs_tokens}"),
                             cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     # Asynchronous, not in batches: trial 1 is held still from its start (before its data
@@ -387,8 +398,8 @@ def test_an_optuna_study_keeps_n_jobs_trials_in_flight_each_its_own_job(tmp_path
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     assert [t.number for t in trials] == list(range(4))
     assert all(t.state in finished for t in trials)
-    # Every trial reported each epoch from its SLURM job (the pruner needs them).
-    assert all(sorted(t.intermediate_values) == [1, 2] for t in trials
+    # Every trial reported at each validation step from its SLURM job (the pruner needs them).
+    assert all(sorted(t.intermediate_values) == [2, 4] for t in trials
                if t.state == optuna.trial.TrialState.COMPLETE)
     rows = manifest(tmp_path)["jobs"]
     assert [row["num"] for row in rows] == list(range(4))

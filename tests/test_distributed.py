@@ -116,6 +116,97 @@ def test_micro_batches_and_ranks_holding_different_numbers_of_items_equal_one_ba
     assert len(set(two)) > 1, two
 
 
+# Four micro-batches of a language model's windows, each padded differently (targets of
+# LanguageModelling.IGNORE are not scored): 2 per rank on two ranks.
+GRAD_VOCAB, GRAD_WINDOW = 40, 8
+
+
+def padded_micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from labrun.train.task import LanguageModelling
+
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for padding in ((0, 0, 1, 2), (5, 7, 6, 0), (1, 1, 1, 1), (7, 3, 2, 7)):
+        tokens = torch.randint(GRAD_VOCAB, (len(padding), GRAD_WINDOW + 1), generator=generator)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+        for row, pad in enumerate(padding):
+            targets[row, GRAD_WINDOW - pad:] = LanguageModelling.IGNORE
+        batches.append((inputs, targets))
+    return batches
+
+
+def float64_gpt() -> torch.nn.Module:
+    from labrun.models.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab_size=GRAD_VOCAB, block_size=GRAD_WINDOW, n_layer=1, n_head=2,
+               n_embd=16).double()
+
+
+def rank_gradient(rank: int, init_file: str, out: str) -> None:
+    """One of two gloo ranks: the Trainer's own backward over this rank's two micro-batches
+    (the Trainer's attributes it reads, and nothing else, around a float64 model)."""
+    import contextlib
+    import functools
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from labrun.train.task import LanguageModelling
+    from labrun.train.trainer import Trainer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = float64_gpt()
+        trainer = SimpleNamespace(
+            task=LanguageModelling(), device=torch.device("cpu"),
+            dist=SimpleNamespace(enabled=True, world_size=2, rank=rank),
+            net=DistributedDataParallel(model), autocast=contextlib.nullcontext,
+            scaler=torch.amp.GradScaler("cpu", enabled=False))
+        trainer.per_rank_items = functools.partial(Trainer.per_rank_items, trainer)
+        step_loss = Trainer.backward(trainer, padded_micro_batches()[2 * rank:2 * rank + 2])
+        torch.save({"loss": step_loss, "grads": {name: p.grad for name, p in
+                                                 model.named_parameters()}}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_padded_micro_batches_on_two_ranks_give_one_batchs_gradient_in_float64(tmp_path):
+    """The accumulation rule itself, in float64 where rounding cannot hide a wrong divisor: 4
+    micro-batches holding 29, 14, 28 and 13 scored tokens, 2 on each of two DDP ranks, leave
+    every rank with the gradient of one batch of all 84 tokens."""
+    import torch.multiprocessing as mp
+
+    from labrun.train.task import LanguageModelling
+
+    out = str(tmp_path / "gradient")
+    mp.spawn(rank_gradient, args=(str(tmp_path / "init"), out), nprocs=2)
+    ranks = [torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1)]
+
+    micro_batches = padded_micro_batches()
+    counts = [int((targets != LanguageModelling.IGNORE).sum()) for _, targets in micro_batches]
+    assert counts == [29, 14, 28, 13]  # rank 0: 43 tokens, rank 1: 41
+    inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches, strict=True))
+    model = float64_gpt()
+    loss = LanguageModelling().loss(model, (inputs, targets)) / sum(counts)
+    loss.backward()
+    for rank in ranks:
+        # The step's loss is for logs, kept in float32 whatever the model's type.
+        torch.testing.assert_close(rank["loss"].double(), loss.detach(), rtol=1e-6, atol=0)
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(rank["grads"][name], parameter.grad, rtol=1e-9,
+                                       atol=1e-15, msg=name)
+
+    # Averaging each micro-batch over its own tokens, then over the micro-batches, would give
+    # another gradient, far beyond the tolerance above.
+    model.zero_grad()
+    sum(LanguageModelling().loss(model, batch) / count / len(counts)
+        for batch, count in zip(micro_batches, counts, strict=True)).backward()
+    averaged = dict(model.named_parameters())["token_embedding.weight"].grad
+    assert (averaged - ranks[0]["grads"]["token_embedding.weight"]).abs().max() > 1e-4
+
+
 def test_a_user_error_in_two_local_processes_is_one_line(tmp_path):
     result = run_train("trainer.devices=2", "dataset=synthetic", "dataset.num_train=4",
                        run_dir=tmp_path / "run", check=False)

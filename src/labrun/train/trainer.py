@@ -240,19 +240,7 @@ class Trainer:
         waited = time.perf_counter() - wait_start
         window.wait += waited
         self.stats.data_wait_s += waited
-        per_rank_items = self.per_rank_items(micro_batches)
-        step_loss = torch.zeros((), device=self.device)
-        for micro_step, batch in enumerate(micro_batches):
-            batch = self.task.prepare(batch, self.device)
-            last = micro_step == accumulation - 1
-            # Only the last micro-batch of a step all-reduces gradients across ranks.
-            sync = contextlib.nullcontext() if last or not self.dist.enabled else self.net.no_sync()
-            with sync, self.autocast():
-                loss = self.task.loss(self.net, batch) / per_rank_items
-            self.scaler.scale(loss).backward()
-            step_loss += loss.detach()
-        if self.dist.enabled:  # every rank must take the same decision below
-            step_loss = all_reduce_sum(step_loss) / self.dist.world_size
+        step_loss = self.backward(micro_batches)
         # fp16's GradScaler skips non-finite steps itself. Otherwise nan_policy=stop notes the
         # loss on the device and check_finite() stops the run at its next read; skip has to
         # know now whether to take this step, so it waits for the loss every step.
@@ -328,6 +316,25 @@ class Trainer:
             step=self.step, optimizer_steps=self.stats.steps)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def backward(self, micro_batches: list[Any]) -> torch.Tensor:
+        """Leave the gradient of one big batch holding the step's micro-batches of every rank:
+        each one's summed loss divided by the items of the whole step, whatever number each
+        micro-batch holds. Returns the step's loss, the same on every rank."""
+        per_rank_items = self.per_rank_items(micro_batches)
+        step_loss = torch.zeros((), device=self.device)
+        for micro_step, batch in enumerate(micro_batches):
+            batch = self.task.prepare(batch, self.device)
+            last = micro_step == len(micro_batches) - 1
+            # Only the last micro-batch of a step all-reduces gradients across ranks.
+            sync = contextlib.nullcontext() if last or not self.dist.enabled else self.net.no_sync()
+            with sync, self.autocast():
+                loss = self.task.loss(self.net, batch) / per_rank_items
+            self.scaler.scale(loss).backward()
+            step_loss += loss.detach()
+        if self.dist.enabled:  # every rank must take the same decision after the step
+            step_loss = all_reduce_sum(step_loss) / self.dist.world_size
+        return step_loss
 
     def per_rank_items(self, micro_batches: list[Any]) -> float | torch.Tensor:
         """The step's items over all ranks, divided by the ranks: each rank divides its summed
