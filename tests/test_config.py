@@ -122,16 +122,89 @@ def test_config_mistake_gives_one_clear_line(mistake, tmp_path):
         assert part in message, f"{part!r} not in {message!r}"
 
 
-def test_a_step_budget_replaces_the_default_epochs_and_the_task_names_the_monitor():
+def test_a_step_budget_replaces_the_default_epochs_and_the_task_names_the_monitor(
+        python_docs_tokens):
     cfg = compose_checked(["trainer.max_steps=500"])
     assert cfg.trainer.max_steps == 500 and cfg.trainer.max_epochs is None
     assert compose_checked([]).trainer.max_epochs == 12  # the default budget: epochs
     assert (cfg.checkpoint.monitor, cfg.checkpoint.mode) == ("val/acc", "max")
-    lm = compose_checked(["task=lm", "dataset=tokens", "dataset.path=/tmp", "model=gpt"])
+    lm_data = ["task=lm", "dataset=tokens", f"dataset.path={python_docs_tokens}", "model=gpt"]
+    lm = compose_checked(lm_data)
     assert (lm.checkpoint.monitor, lm.checkpoint.mode) == ("val/loss", "min")
-    chosen = compose_checked(["task=lm", "dataset=tokens", "dataset.path=/tmp", "model=gpt",
-                              "checkpoint.monitor=val/ppl"])
+    chosen = compose_checked([*lm_data, "checkpoint.monitor=val/ppl"])
     assert chosen.checkpoint.monitor == "val/ppl"  # the command line has the last word
+
+
+# A language model's data and model that cannot work together, refused by the task
+# (LanguageModelling.check_config) before any data loads. {good}: a token folder of bytes;
+# {missing}, {cut}: copies of it without val.bin, with train.bin cut short; {ckpt_50}: a
+# checkpoint of a vocabulary of 50; {ckpt_bpe}: one of another tokenizer; {tmp}: no token folder.
+LM_MISTAKES = {
+    "not a token folder": (["dataset.path={tmp}"], ["is not a token folder", "convert text"]),
+    "missing .bin": (["dataset.path={missing}"], ["val.bin is missing", "convert again"]),
+    "truncated .bin": (["dataset.path={cut}"], ["train.bin is ", "cut short"]),
+    "window beyond the model's positions": (
+        ["dataset.path={good}", "dataset.block_size=48", "model.block_size=32"],
+        ["dataset.block_size=48 is beyond model.block_size=32", "dataset.block_size<=32"]),
+    "vocabulary beyond the model's": (
+        ["dataset.path={good}", "model.vocab_size=100"],
+        ["model.vocab_size=100 is below the token folder's vocabulary of 256"]),
+    "init_from of another vocabulary": (
+        ["dataset.path={good}", "model.init_from={ckpt_50}"],
+        ["model.init_from=", "token_embedding.weight is [50, 32] there, [256, 32] here"]),
+    "init_from of another tokenizer": (
+        ["dataset.path={good}", "model.init_from={ckpt_bpe}"],
+        ["model.init_from=", "another tokenizer (bpe", "than the token folder's (bytes)"]),
+}
+
+
+@pytest.fixture(scope="module")
+def lm_paths(python_docs_tokens, tmp_path_factory) -> dict[str, Path]:
+    import shutil
+
+    from labrun.models.gpt import GPT
+
+    base = tmp_path_factory.mktemp("lm-mistakes")
+    paths = {"good": python_docs_tokens}
+    for name in ("missing", "cut"):
+        paths[name] = base / name
+        shutil.copytree(python_docs_tokens, paths[name])
+    (paths["missing"] / "val.bin").unlink()
+    train = paths["cut"] / "train.bin"
+    train.write_bytes(train.read_bytes()[:-1000])
+    for name, vocab, tokenizer in (("ckpt_50", 50, {"kind": "bytes", "sha256": None}),
+                                   ("ckpt_bpe", 256, {"kind": "bpe", "sha256": "0" * 64})):
+        model = GPT(vocab_size=vocab, block_size=32, n_layer=1, n_head=2, n_embd=32)
+        paths[name] = base / f"{name}.pt"
+        torch.save({"model": model.state_dict(), "class_names": [], "tokenizer": tokenizer},
+                   paths[name])
+    return paths
+
+
+@pytest.mark.parametrize("mistake", LM_MISTAKES, ids=list(LM_MISTAKES))
+def test_a_language_model_config_mistake_is_one_line_before_data_loads(mistake, lm_paths,
+                                                                       tmp_path):
+    from conftest import LM_TINY
+
+    overrides, expected = LM_MISTAKES[mistake]
+    overrides = [o.format(tmp=tmp_path, **lm_paths) for o in overrides]
+    message = error_line([*LM_TINY, *overrides], tmp_path)
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_a_language_models_own_sizes_take_a_smaller_window_and_a_padded_vocabulary(lm_paths):
+    from conftest import LM_TINY
+    from labrun.train.task import LanguageModelling
+
+    cfg = compose_checked([*LM_TINY, f"dataset.path={lm_paths['good']}", "model.block_size=64",
+                           "model.vocab_size=320"])
+    task = LanguageModelling()
+    model = task.build_model(cfg.model, {"vocab_size": 256, "block_size": 32})
+    assert (model.vocab_size, model.block_size) == (320, 64)
+    # What its checkpoints record for export and serving: the model's sizes, not the data's.
+    assert {k: task.checkpoint_meta()[k] for k in ("vocab_size", "block_size")} == {
+        "vocab_size": 320, "block_size": 64}
 
 
 def test_the_cluster_keys_bounds_themselves_pass(composed):

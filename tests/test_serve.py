@@ -169,6 +169,13 @@ def test_health_and_metadata(server):
     assert meta["class_names"] == [str(d) for d in range(10)] and meta["image_size"] == 32
 
 
+def test_generate_on_an_image_server_is_a_clear_4xx(server):
+    # /generate is a language model's (tests/test_lm_deploy.py); here it names the right route.
+    answer = httpx.post(f"{server}/generate", json={"prompt": "a", "max_tokens": 4}, timeout=10)
+    assert answer.status_code == 404 and "POST /predict" in answer.json()["error"]
+    assert_healthy(server, digit_jpeg())
+
+
 def test_model_calls_1_gives_the_one_call_every_core_and_the_same_answers(server, onnx_model,
                                                                           tmp_path):
     jpeg = digit_jpeg()

@@ -151,7 +151,7 @@ def check_one(target: Target, config_dir: Path, config_name: str, placeholder: s
 def _validation_problem(cfg: DictConfig, file: str) -> Problem | None:
     """labrun.config.validation.validate's first complaint (it stops at the first)."""
     try:
-        validation.validate(cfg)
+        validation.validate(cfg, read_data=False)  # its paths may be stand-ins (_fill)
     except ConfigError as error:
         return Problem(file, _key_of(str(error)), str(error))
     except OmegaConfBaseException as error:  # it read a key that cannot resolve

@@ -247,6 +247,10 @@ class TimmModelConfig(ModelConfig):
 
 @dataclass
 class GPTConfig(ModelConfig):
+    # null: the token folder's vocabulary and dataset.block_size. Set, they are the model's own
+    # (a vocabulary padded to a multiple of 64, positions for longer windows than this run's).
+    vocab_size: int | None = None
+    block_size: int | None = None
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128  # a multiple of n_head

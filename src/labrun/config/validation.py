@@ -56,8 +56,10 @@ READ_VALIDATION_ONLY = ("labrun.train.callbacks.EarlyStopping",
                         "labrun.train.pruning.OptunaPruning")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError naming the first key that cannot work, and how to fix it."""
+def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
+    """Raise ConfigError naming the first key that cannot work, and how to fix it.
+    read_data=False leaves out the task's check of the data's own files (check_task), for a
+    config whose paths stand in for what the command line will give (`labrun configs check`)."""
     check_keys(cfg)
     for dotted, choices in CHOICES.items():
         value = OmegaConf.select(cfg, dotted)
@@ -104,6 +106,20 @@ def validate(cfg: DictConfig) -> None:
             f"checkpoint.resume={resume}: no such file; give a checkpoint path, auto or never")
     check_checkpoint_monitor(cfg)
     _validate_monitor(cfg)
+    if read_data:
+        check_task(cfg)
+
+
+def check_task(cfg: DictConfig) -> None:
+    """The task's own check that its data and model fit, if it has one: a classmethod
+    `check_config(cfg)` raising ConfigError (LanguageModelling reads the token folder's
+    tokens.json and the sizes of model.init_from). Run by validate() and, for each job of a
+    sweep, by launch/sweep.plan: before any data loads or any job is submitted."""
+    target = OmegaConf.select(cfg, "task._target_", default=None, throw_on_missing=False)
+    task = _task_class(target) if isinstance(target, str) else None
+    check = getattr(task, "check_config", None)
+    if check is not None:
+        check(cfg)
 
 
 def check_budget(trainer: DictConfig) -> None:

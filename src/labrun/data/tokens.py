@@ -230,6 +230,50 @@ def _encoder(tokenizer: Any) -> Callable[[str], Iterator[tuple[np.ndarray, int]]
     return encode
 
 
+def tokenizer_info(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """What a run carries of its folder's tokenizer (Data.info, then every checkpoint):
+    tokens.json's record of it plus, for a `tokenizers` file, the file's JSON text, so that a
+    checkpoint turns text into ids and back alone (export, serving) once the folder is gone."""
+    info = dict(meta["tokenizer"])
+    if info.get("kind") != "bytes":
+        path = folder / TOKENIZER_FILE
+        if not path.is_file():
+            raise DataError(f"{path} is missing: {META} records a {info.get('kind')} tokenizer; "
+                            f"convert again: labrun convert text ... {folder} --force")
+        info["json"] = path.read_text(encoding="utf-8")
+    return info
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Text to token ids and back, for a served model's prompt and continuation."""
+    vocab_size: int
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+
+
+def codec(tokenizer: dict[str, Any]) -> Codec:
+    """The Codec of what a checkpoint carries of its tokenizer (tokenizer_info); nothing else is
+    read. Decoding never fails: a continuation that is not valid UTF-8 (sampling may stop, or
+    wander, inside a character's bytes) decodes with U+FFFD in place of the bad bytes."""
+    kind = tokenizer.get("kind")
+    if kind == "bytes":
+        return Codec(256, lambda text: list(text.encode("utf-8")),
+                     lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    if not tokenizer.get("json"):
+        raise DataError(f"the model's {kind or 'unknown'} tokenizer comes without its "
+                        f"tokenizer.json text (a checkpoint written before labrun kept it); "
+                        f"train the run again (labrun rerun RUN_DIR --exec) to write one with it")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    loaded = HFTokenizer.from_str(tokenizer["json"])
+    # A byte-level BPE's decoder (convert's train:VOCAB) already replaces bytes that are not
+    # UTF-8; so do the other `tokenizers` decoders, which build text from string pieces.
+    return Codec(loaded.get_vocab_size(),
+                 lambda text: loaded.encode(text, add_special_tokens=False).ids,
+                 lambda ids: loaded.decode(list(ids)))
+
+
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -315,7 +359,7 @@ class TokenData:
     @property
     def info(self) -> dict[str, Any]:
         return {"vocab_size": self.meta["vocab_size"], "block_size": self.block_size,
-                "tokenizer": self.meta["tokenizer"]}
+                "tokenizer": tokenizer_info(self.folder, self.meta)}
 
     def loader(self, split: str, *, micro_batch_size: int, seed: int, rank: int = 0,
                world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False) -> Any:
@@ -333,13 +377,18 @@ def load(path: str, block_size: int, num_workers: int = 0) -> TokenData:
     """dataset=tokens: the token folder at `path` (checked whole: tokens.json and both files),
     in windows of `block_size` tokens."""
     folder = Path(path)
+    return TokenData(folder, block_size, num_workers, read_windowed(folder, block_size))
+
+
+def read_windowed(folder: Path, block_size: int) -> dict[str, Any]:
+    """read_meta, and each split longer than one window."""
     meta = read_meta(folder)
     for split in SPLITS:
         if meta["tokens"][split] <= block_size:
             raise DataError(f"{folder}: the {split} split holds {meta['tokens'][split]:,} "
                             f"tokens, not more than dataset.block_size={block_size}; lower "
                             f"it or convert more text")
-    return TokenData(folder, block_size, num_workers, meta)
+    return meta
 
 
 def python_docs(folder: str, block_size: int, num_workers: int = 0) -> TokenData:
@@ -366,3 +415,20 @@ def python_docs(folder: str, block_size: int, num_workers: int = 0) -> TokenData
             text.unlink(missing_ok=True)
             shutil.rmtree(mine, ignore_errors=True)
     return load(str(folder), block_size, num_workers)
+
+
+def declared(dataset: Any) -> dict[str, Any] | None:
+    """What the dataset config `dataset` will load, if it is this module's (dataset=tokens or
+    python_docs): its tokens.json, read and checked against its files without loading them, for
+    validation before any data loads. None for any other dataset. python_docs, converted on
+    first use, is the bytes tokenizer's until then."""
+    target = dataset.get("_target_")
+    if target == f"{__name__}.load":
+        folder = Path(dataset.path)
+    elif target == f"{__name__}.python_docs":
+        folder = Path(dataset.folder)
+        if not (folder / META).is_file():
+            return {"vocab_size": 256, "tokenizer": {"kind": "bytes", "sha256": None}}
+    else:
+        return None
+    return read_windowed(folder, dataset.block_size)

@@ -8,6 +8,11 @@
 The exported model takes normalised float NCHW input, like the eager model; labrun.deploy.runtime
 does the preprocessing from the metadata, for `labrun serve` and `labrun predict`.
 
+A language model's checkpoint (its `task` is "lm": labrun.train.task.LanguageModelling) goes
+the same way with labrun.deploy.lm's parts (lm_plan): token ids in, next-token logits out, the
+batch and the sequence (up to block_size) dynamic, the parity check on windows of the run's
+val tokens at two batch sizes and two lengths, and the tokenizer in the metadata.
+
 ONNX: the dynamo exporter (torch.export) is tried first, as it is the one PyTorch maintains
 (the TorchScript-based exporter is deprecated); the legacy exporter is the fallback when the
 dynamo one fails or misses the parity check. The metadata records which one made the file.
@@ -21,6 +26,7 @@ import logging
 import os
 import platform
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +42,7 @@ from labrun.config.schema import DatasetConfig
 from labrun.core.errors import LabrunError, one_line
 from labrun.core.files import atomic_path, write_json_atomic
 from labrun.data.transforms import ValTransform, normalize_on_device
+from labrun.deploy import lm
 from labrun.deploy import runtime as inference
 from labrun.runs.rundir import RunDir
 from labrun.train.checkpoint import load as load_checkpoint
@@ -51,6 +58,8 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
 # Model configs name the class to build with `_target_`; a checkpoint could name anything, so
 # only these are built unless LABRUN_TRUSTED_MODULES (comma-separated prefixes) adds more.
 TRUSTED_TARGETS = ("labrun.models.", "torchvision.models.", "torch.nn.", "timm.")
+# An image classifier's one dynamic axis: its input's (and logits') first, of any size.
+BATCH_AXIS = {0: ("batch", None)}
 FP16_NEEDS_GPU = ("--fp16 exports on a CUDA GPU and none is visible here; export fp32 (drop "
                   "--fp16) or run this on a GPU node")
 
@@ -104,30 +113,26 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
         if key not in state:
             raise LabrunError(f"{checkpoint}: the checkpoint has no '{key}' entry; "
                               f"export needs a checkpoint written by labrun's trainer")
-    cfg, class_names = state["config"], list(state["class_names"])
-    model = build_model(cfg, class_names, state["model"], checkpoint)
+    cfg = state["config"]
     out = out or default_output(checkpoint, run_dir, fmt, fp16)
     if out.resolve() == checkpoint.resolve():
         raise LabrunError(f"--out {out} is the checkpoint being exported; choose another path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    prep = Preprocessing.from_dataset(cfg.get("dataset", {}))
-    images = None
-    if check_data is not None:
-        images = parity_images(cfg.get("dataset", {}), prep, check_data)
     dtype = torch.float16 if fp16 else torch.float32
-    used, check = write_checked(model, out, fmt, exporter, opset, dtype,
-                                device or ("cuda" if fp16 else "cpu"), prep, images, verbose)
+    device = device or ("cuda" if fp16 else "cpu")
+    # The checkpoint's task picks what differs between kinds of model (labrun.train.task). A
+    # language model's checkpoint written before it said so has a tokenizer: lm_plan names
+    # what it lacks.
+    language = state.get("task") == lm.TASK or "tokenizer" in state
+    make_plan = lm_plan if language else image_plan
+    plan = make_plan(state, checkpoint, check_data, fmt, dtype, device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    used, check = write_checked(plan, out, fmt, exporter, opset, dtype, device, verbose)
 
     metadata = {
         "format": fmt,
         "model_file": out.name,
         "dtype": str(dtype).removeprefix("torch."),
-        "input": {"name": "input", "shape": ["batch", 3, prep.image_size, prep.image_size],
-                  "layout": "NCHW", "values": "(uint8 / 255 - mean) / std"},
-        "output": {"name": "logits", "shape": ["batch", len(class_names)]},
-        "class_names": class_names,
-        "num_classes": len(class_names),
-        **asdict(prep),
+        **plan.metadata,
         "exporter": used,
         "opset": opset if fmt == "onnx" else None,
         "parity": check,
@@ -154,33 +159,93 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
     return Exported(out, metadata)
 
 
-def write_checked(model: torch.nn.Module, out: Path, fmt: str, exporter: str, opset: int,
-                  dtype: torch.dtype, device: str, prep: Preprocessing,
-                  images: tuple[torch.Tensor, str] | None, verbose: bool
+@dataclass
+class Plan:
+    """What differs between kinds of model in an export (image_plan, lm_plan)."""
+
+    model: torch.nn.Module  # eager, fp32, with the checkpoint's weights
+    example: torch.Tensor  # an input to trace with, on the device, of the exported dtype
+    axes: dict[int, tuple[str, int | None]]  # the input's dynamic axes: name, largest size
+    # The parity check of a written file against the eager model (None: no check), and the
+    # line that reports it.
+    check: Callable[[Path, torch.nn.Module], dict[str, Any]] | None
+    report: Callable[[dict[str, Any], str], None]
+    metadata: dict[str, Any]  # what serving reads of this kind of model
+
+
+def image_plan(state: dict[str, Any], checkpoint: Path, check_data: str | None, fmt: str,
+               dtype: torch.dtype, device: str) -> Plan:
+    """An image classifier: normalised float NCHW in, class logits out; checked on the run's
+    validation images."""
+    cfg, class_names = state["config"], list(state["class_names"])
+    model = build_model(cfg, {"num_classes": len(class_names)}, state["model"], checkpoint)
+    prep = Preprocessing.from_dataset(cfg.get("dataset", {}))
+    check = None
+    if check_data is not None:
+        images = parity_images(cfg.get("dataset", {}), prep, check_data)
+
+        def check(path: Path, reference: torch.nn.Module) -> dict[str, Any]:
+            return parity(path, fmt, reference, images, prep, dtype, device)
+
+    example = torch.randn(2, 3, prep.image_size, prep.image_size, device=device, dtype=dtype)
+    metadata = {
+        "task": inference.CLASSIFICATION,
+        "input": {"name": "input", "shape": ["batch", 3, prep.image_size, prep.image_size],
+                  "layout": "NCHW", "values": "(uint8 / 255 - mean) / std"},
+        "output": {"name": "logits", "shape": ["batch", len(class_names)]},
+        "class_names": class_names,
+        "num_classes": len(class_names),
+        **asdict(prep),
+    }
+    return Plan(model, example, BATCH_AXIS, check, report_parity, metadata)
+
+
+def lm_plan(state: dict[str, Any], checkpoint: Path, check_data: str | None, fmt: str,
+            dtype: torch.dtype, device: str) -> Plan:
+    """A language model (labrun.deploy.lm): token ids in, next-token logits out, batch and
+    sequence dynamic; checked on windows of the run's val tokens."""
+    sizes = lm.sizes(state, checkpoint)
+    model = build_model(state["config"], sizes, state["model"], checkpoint)
+    check = None
+    if check_data is not None:
+        windows = lm.parity_windows(state["config"].get("dataset", {}), sizes, check_data)
+        tolerance = TOLERANCE[str(dtype).removeprefix("torch.")]
+
+        def check(path: Path, reference: torch.nn.Module) -> dict[str, Any]:
+            return lm.parity(path, fmt, reference, windows, tolerance, device)
+
+    with torch.inference_mode():  # the model's own config may pad the vocabulary
+        logits_size = model(lm.example_input(sizes, "cpu")[:1, :1]).shape[-1]
+    return Plan(model, lm.example_input(sizes, device), lm.input_axes(sizes["block_size"]),
+                check, lm.report_parity, lm.metadata(state, logits_size))
+
+
+def write_checked(plan: Plan, out: Path, fmt: str, exporter: str, opset: int,
+                  dtype: torch.dtype, device: str, verbose: bool
                   ) -> tuple[str, dict[str, Any] | None]:
-    """Write `out` with the first exporter whose file passes the parity check (when `images`
-    are given); returns (exporter name, parity figures). The file appears only when it passed.
+    """Write `out` with the first exporter whose file passes the plan's parity check (when it
+    has one); returns (exporter name, parity figures). The file appears only when it passed.
     """
     # The exported copy is fp16 with --fp16; the eager reference stays fp32, the model trained.
-    reference = model.to(device)
-    to_export = copy.deepcopy(model).to(device=device, dtype=dtype)
-    example = torch.randn(2, 3, prep.image_size, prep.image_size, device=device, dtype=dtype)
+    reference = plan.model.to(device)
+    to_export = copy.deepcopy(plan.model).to(device=device, dtype=dtype)
     candidates = exporters(fmt, exporter)
     failures = []
     for name in candidates:
         try:
             with atomic_path(out) as tmp:  # `out` appears only once it passed the parity check
-                write_model(to_export, example, tmp, fmt, name, opset)
+                write_model(to_export, plan.example, tmp, fmt, name, opset, plan.axes)
                 check = None
-                if images is not None:
-                    check = parity(tmp, fmt, reference, images, prep, dtype, device)
+                if plan.check is not None:
+                    check = plan.check(tmp, reference)
                     if verbose:
-                        report_parity(check, name)
+                        plan.report(check, name)
                     if not check["passed"]:
+                        compared = "image(s)" if "images" in check else "token position(s)"
                         raise LabrunError(
                             f"parity check failed: max abs diff {check['max_abs_diff']:.2e} > "
                             f"{check['tolerance']:.2e} or top-1 differs on "
-                            f"{check['top1_mismatches']} image(s)")
+                            f"{check['top1_mismatches']} {compared}")
             return name, check
         except Exception as error:  # noqa: BLE001 - any exporter failure moves to the next one
             failures.append(f"{name}: {one_line(error)}")
@@ -208,13 +273,15 @@ def default_output(checkpoint: Path, run_dir: RunDir | None, fmt: str, fp16: boo
     return folder / f"{checkpoint.stem}{'-fp16' if fp16 else ''}{FORMATS[fmt]}"
 
 
-def build_model(cfg: dict[str, Any], class_names: list[str], weights: dict[str, torch.Tensor],
+def build_model(cfg: dict[str, Any], sizes: dict[str, int], weights: dict[str, torch.Tensor],
                 checkpoint: Path) -> torch.nn.Module:
+    """The eager model of the checkpoint's config, built with `sizes` (num_classes; vocab_size
+    and block_size), as its task built it for training, with the checkpoint's weights."""
     if "model" not in cfg:
         raise LabrunError(f"{checkpoint}: its config has no 'model' section; export needs a "
                           f"checkpoint written by labrun's trainer")
     check_targets(cfg["model"], "model")
-    model = models.build(OmegaConf.create(cfg["model"]), len(class_names))
+    model = models.build(OmegaConf.create(cfg["model"]), **sizes)
     try:
         model.load_state_dict(weights)
     except RuntimeError as error:
@@ -252,23 +319,31 @@ def exporters(fmt: str, choice: str) -> list[str]:
 
 
 def write_model(model: torch.nn.Module, example: torch.Tensor, path: Path, fmt: str,
-                exporter: str, opset: int) -> None:
+                exporter: str, opset: int,
+                axes: dict[int, tuple[str, int | None]] = BATCH_AXIS) -> None:
+    """The model as `fmt`, its input's `axes` dynamic (the logits' leading axes follow them;
+    tracing keeps shapes dynamic by itself)."""
+    names = {axis: name for axis, (name, _) in axes.items()}
     with torch.no_grad(), warnings.catch_warnings():
         # Both torch.jit and the legacy ONNX exporter warn that they are deprecated; the
         # metadata records which exporter made the file, which is what a reader needs.
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
+        # Shape checks in a forward (the GPT's window length) become constants of a trace: the
+        # parity check then runs the traced file at other shapes, which is what matters.
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
         if fmt == "torchscript":
             torch.jit.trace(model, example, check_trace=False).save(str(path))
         elif exporter == "dynamo":
             torch.onnx.export(model, (example,), str(path), dynamo=True, verbose=False,
                               input_names=["input"], output_names=["logits"],
-                              dynamic_shapes=({0: torch.export.Dim("batch")},),
+                              dynamic_shapes=({axis: torch.export.Dim(name, max=largest)
+                                               for axis, (name, largest) in axes.items()},),
                               opset_version=opset, external_data=False)
         else:
             torch.onnx.export(model, (example,), str(path), dynamo=False,
                               input_names=["input"], output_names=["logits"],
-                              dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                              dynamic_axes={"input": names, "logits": names},
                               opset_version=opset)
 
 

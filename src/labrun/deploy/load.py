@@ -6,6 +6,9 @@
     ...
     remove_folder(tmp)
 
+An image classifier's Predictor by default (`labrun predict`); with task=None, what the
+model's own task is served with (`labrun serve`): a LanguageModel for an export of task=lm.
+
 This sits above both labrun.deploy.export and labrun.deploy.runtime, so that the runtime never
 needs the exporter (export's parity check runs the exported file through the runtime).
 """
@@ -18,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 from labrun.core.errors import LabrunError
-from labrun.deploy import runtime
+from labrun.deploy import lm, runtime
 
 
 def is_torchscript_archive(path: Path) -> bool:
@@ -50,20 +53,32 @@ def export_for_inference(model: Path, folder: Path) -> Path:
     return out
 
 
-def load(model: str | Path, threads: int | None = None) -> tuple[runtime.Predictor, Path | None]:
-    """A Predictor for any MODEL argument, and the temp folder to delete afterwards (or None)."""
+def load(model: str | Path, threads: int | None = None,
+         task: str | None = runtime.CLASSIFICATION
+         ) -> tuple[runtime.Predictor | lm.LanguageModel, Path | None]:
+    """The model of any MODEL argument, ready to answer, and the temp folder to delete
+    afterwards (or None). `task`: the task it must be an export of (None: any)."""
     model = Path(model)
     if not model.exists():
         raise LabrunError(f"{model}: no such file or folder; give an exported .onnx or .pt "
                           f"file, a run folder or a checkpoint")
     if not needs_export(model):
-        return runtime.Predictor(model, threads), None
+        return open_exported(model, threads, task), None
     folder = Path(tempfile.mkdtemp(prefix="labrun-export-"))
     try:
-        return runtime.Predictor(export_for_inference(model, folder), threads), folder
+        return open_exported(export_for_inference(model, folder), threads, task), folder
     except BaseException:
         remove_folder(folder)
         raise
+
+
+def open_exported(path: Path, threads: int | None, task: str | None
+                  ) -> runtime.Predictor | lm.LanguageModel:
+    if task is None:
+        task = runtime.task_of(runtime.read_metadata(path, task=None))
+    if task == lm.TASK:
+        return lm.LanguageModel(path, threads)
+    return runtime.Predictor(path, threads)  # which refuses an export of another task
 
 
 def remove_folder(folder: Path | None) -> None:

@@ -7,7 +7,8 @@
     predictor.predict([image, ...], k=5) -> [[{"class", "index", "prob"}, ...], ...]
 
 `labrun serve`, `labrun predict`, the parity check of `labrun export` and the serving benchmark
-all go through this module, so a served answer and an offline answer cannot drift apart.
+all go through this module (a language model's export is served by labrun.deploy.lm, on the
+same runtimes and metadata reader), so a served answer and an offline answer cannot drift apart.
 
 The exported model takes normalised float NCHW input, as the eager model does; the
 preprocessing (decode, ValTransform, normalise) lives here and reads its settings (size,
@@ -206,7 +207,20 @@ class Predictor:
                 for row_p, row_i in zip(values, indices, strict=True)]
 
 
-def read_metadata(model_path: Path) -> dict[str, Any]:
+# An export's "task" picks the code that serves it; an export without one is an image
+# classifier's, as every export was before labrun exported language models (labrun.deploy.lm).
+CLASSIFICATION = "classification"
+REQUIRED_KEYS = {CLASSIFICATION: ("class_names", "image_size", "val_resize_ratio", "mean", "std"),
+                 "lm": ("vocab_size", "block_size", "tokenizer")}
+
+
+def task_of(meta: dict[str, Any]) -> str:
+    return str(meta.get("task", CLASSIFICATION))
+
+
+def read_metadata(model_path: Path, task: str | None = CLASSIFICATION) -> dict[str, Any]:
+    """The metadata JSON beside an exported model, checked: an export of `task` (None: of any
+    task) that has the keys its task is served with."""
     if not model_path.is_file():
         raise LabrunError(f"{model_path}: no such model file")
     path = metadata_path(model_path)
@@ -218,8 +232,17 @@ def read_metadata(model_path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as error:
         raise LabrunError(f"{path}: unreadable metadata ({one_line(error)}); "
                           f"export the model again") from None
-    missing = [key for key in ("format", "class_names", "image_size", "val_resize_ratio",
-                               "mean", "std") if key not in meta]
+    if not isinstance(meta, dict):
+        raise LabrunError(f"{path}: metadata is not a JSON object; export the model again")
+    kind = task_of(meta)
+    if kind not in REQUIRED_KEYS:
+        raise LabrunError(f"{path}: unknown task {kind!r} (this labrun serves "
+                          f"{', '.join(REQUIRED_KEYS)}); export the model again")
+    if task is not None and kind != task:
+        raise LabrunError(f"{model_path} is an export of a task={kind} run, not task={task}: "
+                          f"image classifiers answer `labrun predict` and POST /predict, "
+                          f"language models (lm) POST /generate of `labrun serve`")
+    missing = [key for key in ("format", *REQUIRED_KEYS[kind]) if key not in meta]
     if missing:
         raise LabrunError(f"{path}: metadata lacks {', '.join(missing)}; export the model again")
     if meta["format"] not in ("onnx", "torchscript"):

@@ -6,6 +6,11 @@
     GET  /metadata            the metadata JSON written by `labrun export`
     GET  /metrics             Prometheus metrics, of all --workers (labrun.deploy.serve_metrics)
 
+A language model's export (task=lm) answers POST /generate instead of /predict (create_lm_app):
+
+    POST /generate   JSON {"prompt", "max_tokens", "temperature", "seed"} -> {"text", "tokens",
+                     "token_ids", "prompt_tokens", "seed"}   (labrun.deploy.lm says how)
+
 MODEL is an exported .onnx or .pt file (with its metadata JSON), a run folder or a checkpoint
 (exported to ONNX in a temp folder first). Preprocessing is labrun.deploy.runtime's, the same as
 validation. A bad request (no file, not an image, truncated, too big, a path as filename) gets a
@@ -43,7 +48,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from labrun.core import probes
 from labrun.core.errors import LabrunError, one_line
-from labrun.deploy import batching, load, serve_metrics
+from labrun.deploy import batching, lm, load, serve_metrics
 from labrun.deploy import runtime as inference
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,8 @@ ENV_MODEL_CALLS = "LABRUN_SERVE_MODEL_CALLS"  # empty: batching.model_calls' def
 # On each answer: how many images the model call that answered it took (/predict/batch: one
 # number per file, in order), to see batching at work from a client.
 BATCH_SIZE_HEADER = "X-Batch-Size"
+# What a server answers with: an image classifier's Predictor or a LanguageModel (task=lm).
+ServedModel = inference.Predictor | lm.LanguageModel
 
 
 
@@ -107,11 +114,17 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
         if not is_loopback(host):
             log.warning("warning: binding %s: the server is reachable from other machines "
                         "and has no authentication", host)
-        log.info("serving %s (%s, %d classes, %s px; %d model calls at once on the %s, %d "
-                 "intra-op thread%s each) on http://%s:%d  POST /predict, POST /predict/batch, "
-                 "GET /health, GET /metadata, GET /metrics", model, meta["format"],
-                 predictor.num_classes, meta["image_size"], calls, predictor.device.upper(),
-                 predictor.threads, "" if predictor.threads == 1 else "s", host, port)
+        if isinstance(predictor, lm.LanguageModel):
+            what = (f"language model, vocabulary {predictor.vocab_size}, window "
+                    f"{predictor.block_size} tokens")
+            routes = "POST /generate"
+        else:
+            what = f"{predictor.num_classes} classes, {meta['image_size']} px"
+            routes = "POST /predict, POST /predict/batch"
+        log.info("serving %s (%s, %s; %d model calls at once on the %s, %d intra-op thread%s "
+                 "each) on http://%s:%d  %s, GET /health, GET /metadata, GET /metrics", model,
+                 meta["format"], what, calls, predictor.device.upper(), predictor.threads,
+                 "" if predictor.threads == 1 else "s", host, port, routes)
         os.environ[ENV_HEADER_TIMEOUT] = str(header_timeout)  # for every worker process
         # The protocol by name: a worker process then imports labrun.deploy.serve when its server
         # starts, after it began answering the supervisor's pings, not while it unpickles its
@@ -200,12 +213,13 @@ def app_from_env():
 
 
 def load_model(model: str | Path, cores: int, model_calls: int | None
-               ) -> tuple[inference.Predictor, Path | None, int]:
-    """The predictor (load.load), its temp folder, and how many model calls run at once."""
+               ) -> tuple[ServedModel, Path | None, int]:
+    """The predictor (load.load: whatever the model's task is served with), its temp folder,
+    and how many model calls run at once."""
     # Intra-op threads are fixed when the model loads, before its device is known: they are
     # shared out as on a CPU (on a GPU, where one call runs at a time, they barely matter).
     threads = batching.threads_per_call(cores, batching.model_calls("cpu", cores, model_calls))
-    predictor, tmp = load.load(model, threads)
+    predictor, tmp = load.load(model, threads, task=None)
     return predictor, tmp, batching.model_calls(predictor.device, cores, model_calls)
 
 
@@ -220,9 +234,10 @@ def is_loopback(host: str) -> bool:
 # The application
 
 
-def create_app(predictor: inference.Predictor, max_upload_bytes: int, *,
-               max_batch: int = MAX_BATCH, max_delay_ms: float = MAX_DELAY_MS,
-               model_calls: int = 1):
+def create_app(predictor: ServedModel, max_upload_bytes: int, *, max_batch: int = MAX_BATCH,
+               max_delay_ms: float = MAX_DELAY_MS, model_calls: int = 1):
+    if isinstance(predictor, lm.LanguageModel):
+        return create_lm_app(predictor, max_upload_bytes, model_calls=model_calls)
     # Every model call goes through the batcher, --max-batch 1 included (then one image a call).
     batcher = batching.Batcher(lambda images: predictor.logits(torch.stack(images)),
                                max_batch=max_batch, max_delay_ms=max_delay_ms,
@@ -234,16 +249,7 @@ def create_app(predictor: inference.Predictor, max_upload_bytes: int, *,
         yield
         await batcher.close()  # after uvicorn has answered the requests in flight
 
-    app = FastAPI(title="labrun serve", version=str(predictor.metadata.get("versions", {})
-                                                    .get("labrun", "")), lifespan=lifespan)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(error.detail)}, status_code=error.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"error": describe_validation(error)}, status_code=422)
+    app = new_app(predictor, lifespan)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -285,6 +291,81 @@ def create_app(predictor: inference.Predictor, max_upload_bytes: int, *,
         return {"results": [{"filename": f.filename, "top": top}
                             for f, top in zip(files, tops, strict=True)]}
 
+    @app.post("/generate")
+    def generate() -> None:
+        raise HTTPException(404, "this server serves an image classifier: POST /predict with "
+                                 "multipart field 'file'; /generate answers on a server of a "
+                                 "language model's export (task=lm)")
+
+    return outer_layers(app, predictor, max_upload_bytes)
+
+
+def create_lm_app(model: lm.LanguageModel, max_upload_bytes: int, *, model_calls: int = 1):
+    """A language model's app: POST /generate, one request's tokens after one another.
+
+    No batching: each request's tokens depend on its previous ones, one model call each. A
+    request generates in a thread of its own, off the event loop, and at most `model_calls`
+    generate at once (each model call on the threads load_model gave it); the others wait."""
+    import anyio
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        app.state.calls = anyio.CapacityLimiter(model_calls)  # made in the server's event loop
+        yield
+
+    app = new_app(model, lifespan)
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model.model_path.name, "task": lm.TASK,
+                "format": model.metadata["format"], "vocab_size": model.vocab_size,
+                "block_size": model.block_size, "device": model.device,
+                "model_calls": model_calls, "threads_per_call": model.threads}
+
+    @app.get("/metadata")
+    def metadata() -> dict[str, Any]:
+        return model.metadata
+
+    @app.post("/generate")
+    async def generate(request: Request) -> dict[str, Any]:
+        # The body is read and checked here rather than by a pydantic model, so that each bad
+        # body (not UTF-8, not JSON, a field missing or out of range) gets its own line.
+        try:
+            asked = lm.parse_request(await request.body())
+            return await anyio.to_thread.run_sync(model.generate, asked,
+                                                  limiter=request.app.state.calls)
+        except lm.RequestError as error:
+            raise HTTPException(error.status, str(error)) from None
+        except Exception as error:  # noqa: BLE001 - the model failed on this request
+            raise HTTPException(500, f"generation failed: {one_line(error)}") from None
+
+    @app.post("/predict")
+    @app.post("/predict/batch")
+    def predict() -> None:
+        raise HTTPException(404, "this server serves a language model (task=lm): POST "
+                                 f"/generate with a JSON body such as {lm.EXAMPLE_REQUEST}")
+
+    return outer_layers(app, model, max_upload_bytes)
+
+
+def new_app(predictor: ServedModel, lifespan) -> FastAPI:
+    """A FastAPI app whose every error answer is {"error": "..."}."""
+    app = FastAPI(title="labrun serve", version=str(predictor.metadata.get("versions", {})
+                                                    .get("labrun", "")), lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(error.detail)}, status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"error": describe_validation(error)}, status_code=422)
+
+    return app
+
+
+def outer_layers(app: FastAPI, predictor: ServedModel, max_upload_bytes: int):
+    """The app inside its upload limit, inside its metrics (labrun.deploy.serve_metrics)."""
     return serve_metrics.ServeMetrics(UploadLimit(app, max_upload_bytes), app.routes,
                                       model=predictor.model_path.name,
                                       model_format=predictor.metadata["format"])

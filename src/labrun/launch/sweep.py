@@ -266,6 +266,7 @@ def plan(hydra_context: HydraContext, master: DictConfig,
         # would otherwise train every job to the end for nothing.
         validation.check_checkpoint_monitor(cfg)
         validation.check_cluster(cfg)
+        validation.check_task(cfg)
         with open_dict(cfg.hydra.job):
             cfg.hydra.job.num = num
         if cfg.checkpoint.on_finish == "auto":  # a sweep's jobs keep best.pt and last.pt

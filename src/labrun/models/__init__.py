@@ -65,11 +65,17 @@ def timm_model(num_classes: int, name: str, drop_rate: float = 0.0) -> nn.Module
 def build(model_cfg: DictConfig, num_classes: int | None = None, **sizes: int) -> nn.Module:
     """Instantiate the configured model with what the data declares: `num_classes` outputs
     for a classifier, or the sizes another task passes (vocab_size and block_size for
-    task=lm)."""
+    task=lm). A size the model's config sets itself wins over the data's: validation has
+    checked that the data fits it (train/task.py, LanguageModelling.check_config)."""
     factory_cfg = OmegaConf.to_container(model_cfg, resolve=True)
     factory_cfg.pop("init_from", None)  # a labrun key, not a constructor argument
     if num_classes is not None:
         sizes["num_classes"] = num_classes
+    for name in list(sizes):
+        if factory_cfg.get(name) is None:
+            factory_cfg.pop(name, None)  # left to the data
+        else:
+            del sizes[name]  # the model's config fixes it (model.block_size=1024)
     return instantiate(factory_cfg)(**sizes)
 
 

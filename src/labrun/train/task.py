@@ -20,10 +20,19 @@ batch)`, timm's `TrainingTask`). A task is a class with:
     eval_sums(model, batch) -> 1-d tensor         per-batch sums, added up (and all-reduced)
     eval_metrics(sums, split) -> {SPLIT/NAME: value}
     checkpoint_meta() -> dict                     what a checkpoint must carry to be used
-                                                  alone (class names)
+                                                  alone (class names), and, for export and
+                                                  serving, its `task` (below)
     units: dict[str, int]                         optional: what a sample holds, for
                                                   throughput: perf/UNIT_per_s beside
                                                   perf/samples_per_s ({"tokens": 256})
+
+Export and serving (labrun.deploy) read a checkpoint, never the task object: checkpoint_meta's
+`task` names the kind of model, which picks the code that exports it (example input, dynamic
+axes, parity check, metadata) and serves it (request in, answer out): "lm" is labrun.deploy.lm's
+(token ids in, next-token logits out; POST /generate), and a checkpoint without `task` is an
+image classifier's (labrun.deploy.export and runtime; POST /predict), which a task that
+subclasses Classification stays. Those hooks live in labrun.deploy because a served model has
+only its exported file and metadata: no config, no task class, no training code.
 
 The task's config (conf/task/NAME.yaml) also sets checkpoint.monitor and checkpoint.mode: what
 a run of it is judged by unless the command line says otherwise.
@@ -148,17 +157,85 @@ class LanguageModelling:
     IGNORE = -1
     num_sums = 3  # summed loss, tokens predicted right, tokens scored
     metric_names = ("loss", "ppl", "acc")
+    deploy = "lm"  # checkpoint_meta's `task`: labrun.deploy.lm exports and serves the model
 
     def __init__(self) -> None:
         self.tokenizer: dict[str, Any] = {}
+        self.sizes: dict[str, int] = {}  # the model's vocab_size and block_size, once built
         self.units: dict[str, int] = {}  # {"tokens": the window}, once set up
 
     def build_model(self, model_cfg: DictConfig, info: dict[str, Any]) -> nn.Module:
         """The model for the data's vocabulary and window (`info`: vocab_size, block_size)."""
         from labrun import models
 
+        # The model's own sizes where its config sets them (model.vocab_size=320), else the
+        # data's (models.build): what a checkpoint records of it for export and serving.
+        self.sizes = {key: int(model_cfg.get(key) or info[key])
+                      for key in ("vocab_size", "block_size")}
         return models.build(model_cfg, vocab_size=info["vocab_size"],
                             block_size=info["block_size"])
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """Refuse, before any data loads, a token folder and model that cannot work together:
+        the folder's tokens.json or .bin files missing or cut short, windows beyond the
+        model's positions, a vocabulary beyond its embedding, and a model.init_from
+        checkpoint of another tokenizer or other sizes (whose tensors would be left out)."""
+        from labrun.core.errors import ConfigError, DataError
+        from labrun.data import tokens
+
+        try:
+            declared = tokens.declared(cfg.dataset)
+        except DataError as error:
+            raise ConfigError(str(error)) from None
+        if declared is None:
+            return  # not a token folder of labrun's: its own loader checks it
+        window, vocab = cfg.dataset.block_size, declared["vocab_size"]
+        positions, own_vocab = cfg.model.get("block_size"), cfg.model.get("vocab_size")
+        if positions is not None and window > positions:
+            raise ConfigError(f"dataset.block_size={window} is beyond model.block_size="
+                              f"{positions}, the positions the model knows; use "
+                              f"dataset.block_size<={positions} or a larger model.block_size")
+        if own_vocab is not None and own_vocab < vocab:
+            raise ConfigError(f"model.vocab_size={own_vocab} is below the token folder's "
+                              f"vocabulary of {vocab:,}: its larger ids have no embedding; "
+                              f"set model.vocab_size={vocab} (or more), or null")
+        if cfg.model.get("init_from"):
+            cls._check_init_from(cfg, declared)
+
+    @classmethod
+    def _check_init_from(cls, cfg: DictConfig, declared: dict[str, Any]) -> None:
+        import torch
+
+        from labrun.core.errors import ConfigError
+        from labrun.train.checkpoint import CheckpointError
+        from labrun.train.checkpoint import load as load_checkpoint
+
+        path = cfg.model.init_from
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as error:
+            raise ConfigError(f"model.init_from={error}") from None
+        theirs, ours = state.get("tokenizer") or {}, declared["tokenizer"]
+        if theirs and (theirs.get("kind"), theirs.get("sha256")) != (ours.get("kind"),
+                                                                     ours.get("sha256")):
+            raise ConfigError(
+                f"model.init_from={path} was trained with another tokenizer "
+                f"({_tokenizer_name(theirs)}) than the token folder's ({_tokenizer_name(ours)})"
+                f": its token ids mean other text; convert the text with its tokenizer")
+        # The model this run would build, on the meta device (no memory, no init), against the
+        # checkpoint's tensors: a tensor of another shape would be left as initialised.
+        with torch.device("meta"):
+            model = cls().build_model(cfg.model, {"vocab_size": declared["vocab_size"],
+                                                  "block_size": cfg.dataset.block_size})
+        own = model.state_dict()
+        for name, tensor in state["model"].items():
+            if name in own and own[name].shape != tensor.shape:
+                raise ConfigError(
+                    f"model.init_from={path}: its {name} is {list(tensor.shape)} there, "
+                    f"{list(own[name].shape)} here (another vocabulary, window or size); set "
+                    f"the model's keys to the checkpoint's (model.block_size, model.vocab_size, "
+                    f"model.n_embd...)")
 
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:
@@ -206,5 +283,13 @@ class LanguageModelling:
                 for name, value in zip(self.metric_names, values, strict=True)}
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        # class_names stays (empty): status, export and serving read it at the top level.
-        return {"class_names": [], "tokenizer": self.tokenizer}
+        # class_names stays (empty): status reads it at the top level. The rest is what export
+        # and serving need with the checkpoint alone: the model's sizes (build_model's info)
+        # and the tokenizer, a `tokenizers` file's JSON text included (data.tokens.tokenizer_info).
+        return {"task": self.deploy, "class_names": [], **self.sizes,
+                "tokenizer": self.tokenizer}
+
+
+def _tokenizer_name(tokenizer: dict[str, Any]) -> str:
+    digest = tokenizer.get("sha256")
+    return f"{tokenizer.get('kind')}, sha256 {digest[:12]}" if digest else str(tokenizer.get("kind"))
