@@ -1,4 +1,4 @@
-"""The one compiled part of labrun: JPEG region decoding (src/labrun/data/_jpeg_region.c).
+"""The one compiled part of labrun: JPEG region decoding (src/labrun/data/image/_jpeg_region.c).
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler or
 libjpeg-turbo's headers (Debian: libjpeg62-turbo-dev) the install still succeeds, and labrun
@@ -7,5 +7,5 @@ decodes whole JPEGs and crops them instead, which gives the same pixels more slo
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("labrun.data._jpeg_region", ["src/labrun/data/_jpeg_region.c"],
+setup(ext_modules=[Extension("labrun.data.image._jpeg_region", ["src/labrun/data/image/_jpeg_region.c"],
                              libraries=["jpeg"], optional=True)])

@@ -23,7 +23,7 @@ labrun() { "$PY" -c 'import sys; from labrun.cli import main; sys.exit(main())' 
 import sys, torch
 if not torch.cuda.is_available():
     sys.exit("gpu_check: no CUDA GPU visible")
-from labrun.data import decode
+from labrun.data.image import decode
 region = "compiled" if decode._decode_region else "NOT compiled (whole-image fallback)"
 print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
       f"CUDA {torch.version.cuda}; JPEG region decoding {region}")

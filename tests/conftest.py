@@ -406,7 +406,7 @@ def digit_jpeg() -> bytes:
 
     from PIL import Image
 
-    from labrun.data import digits
+    from labrun.data.image import digits
 
     image = digits.load(32, 0.2)["val"].load(0)
     buffer = io.BytesIO()

@@ -46,7 +46,7 @@ def test_a_new_field_states_its_facts_once(monkeypatch, fresh_facts, composed, t
     absolute for SLURM jobs without touching any list elsewhere."""
 
     @dataclasses.dataclass
-    class ShardedConfig(schema.DatasetConfig):
+    class ShardedConfig(schema.ImageDatasetConfig):
         shard_dir: str = key(MISSING, must_exist=True, resume_safe=True)
 
     monkeypatch.setitem(schema.SCHEMAS, "dataset/sharded", ShardedConfig)

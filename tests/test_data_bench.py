@@ -21,7 +21,7 @@ from labrun.bench.data import (
     seconds_per_sample,
 )
 from labrun.bench.trainer import TRAINER_TARGETS
-from labrun.data.transforms import TrainTransform
+from labrun.data.image.transforms import TrainTransform
 
 SMALL = argparse.Namespace(size=64, workers=2, passes=2, batch_size=8)  # labrun_data's args
 

@@ -14,8 +14,8 @@ from test_data_decode import smooth_image
 
 from conftest import run_labrun
 from labrun import cli
-from labrun.data import hdf5, imagefolder
-from labrun.data.decode import is_jpeg
+from labrun.data.image import hdf5, imagefolder
+from labrun.data.image.decode import is_jpeg
 
 CLASSES = ("bird", "cat", "dog")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from labrun.data import decode as dec
-from labrun.data.transforms import TrainTransform, ValTransform, center_crop_box
+from labrun.data.image import decode as dec
+from labrun.data.image.transforms import TrainTransform, ValTransform, center_crop_box
 
 
 def smooth_image(height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -164,7 +164,7 @@ import turbojpeg
 def missing(self, lib_path=None):
     raise OSError("libturbojpeg.so.0: cannot open shared object file: No such file or directory")
 turbojpeg.TurboJPEG.__init__ = missing
-from labrun.data import decode
+from labrun.data.image import decode
 print(decode.resolve("turbojpeg"), decode.resolve("turbojpeg"), decode.resolve("pil"))
 """
     # A Python that imports labrun.data: a few seconds; 60 s only stops a hang.

@@ -1,4 +1,4 @@
-"""dataset.decode=cpu|cuda (data/batched.py): the workers read bytes and draw crops, the main
+"""dataset.decode=cpu|cuda (data/image/batched.py): the workers read bytes and draw crops, the main
 process decodes whole batches with torchvision's decode_jpeg. Tested with decode=cpu, which runs
 the same code as cuda on the CPU; decode=cuda itself needs a GPU and is only refused here.
 
@@ -22,8 +22,8 @@ from conftest import read_summary, run_train
 from labrun import data
 from labrun.config.validation import validate
 from labrun.core.errors import ConfigError, DataError, one_line
-from labrun.data import batched, convert
-from labrun.data.decode import jpeg_size
+from labrun.data.image import ImageData, batched, convert
+from labrun.data.image.decode import jpeg_size
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torchvision.io, 0.29
 
@@ -46,11 +46,11 @@ def images(tmp_path_factory):
     return root, out
 
 
-def build(name: str, location: str, **overrides) -> data.Data:
+def build(name: str, location: str, **overrides) -> ImageData:
     return build_source(name, location, **{"image_size": SIZE, "num_workers": 0, **overrides})
 
 
-def batches(dataset: data.Data, split: str, seed: int, epoch: int = 1):
+def batches(dataset: ImageData, split: str, seed: int, epoch: int = 1):
     loader = dataset.loader(split, micro_batch_size=8, seed=seed)
     loader.sampler.set_epoch(epoch)
     images, labels = zip(*loader, strict=True)
@@ -160,7 +160,7 @@ def test_missing_nvjpeg_falls_back_to_the_cpu_with_one_warning(monkeypatch, capl
     for cached in (batched._nvjpeg_error, batched._warn_nvjpeg_missing):
         cached.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="labrun.data.batched"):
+        with caplog.at_level(logging.WARNING, logger="labrun.data.image.batched"):
             assert batched.decode_device("cuda") == torch.device("cpu")
             assert batched.decode_device("cuda") == torch.device("cpu")
         assert len(caplog.records) == 1

@@ -20,7 +20,7 @@ from conftest import read_summary, run_train
 from labrun import data
 from labrun.config.schema import HDF5Config, ImageFolderConfig
 from labrun.core.errors import DataError
-from labrun.data import convert, hdf5
+from labrun.data.image import ImageData, ImageDataset, convert, hdf5
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,10 @@ def clean(tmp_path_factory):
     return root, out
 
 
-def build(name: str, location: str, **overrides) -> data.Data:
+def build(name: str, location: str, **overrides) -> ImageData:
     schema, key = (HDF5Config, "path") if name == "hdf5" else (ImageFolderConfig, "root")
     cfg = OmegaConf.merge(OmegaConf.structured(schema), {
-        "_target_": f"labrun.data.{name}.load", "name": name, key: location, "image_size": 32, "num_workers": 2, **overrides})
+        "_target_": f"labrun.data.image.{name}.load", "name": name, key: location, "image_size": 32, "num_workers": 2, **overrides})
     return data.build(cfg)
 
 
@@ -127,7 +127,7 @@ def test_a_sample_that_fails_to_decode_names_split_index_and_file(clean, tmp_pat
         start, end = file["val/offsets"][2:4]
         file["val/data"][start:end] = np.frombuffer(b"\xff\xd8\xff" + b"\x00" * (end - start - 3),
                                                     np.uint8)
-    dataset = data.ImageDataset(build("hdf5", str(damaged)).splits["val"], lambda x, rng: x, 0,
+    dataset = ImageDataset(build("hdf5", str(damaged)).splits["val"], lambda x, rng: x, 0,
                                 "val")
     with pytest.raises(DataError, match=r"damaged.h5: val sample 2 could not be decoded .*"
                                         r"labrun convert --verify"):
@@ -138,7 +138,7 @@ def test_a_sample_that_fails_to_decode_names_split_index_and_file(clean, tmp_pat
     (folder / "train" / "cat" / "01.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
     source = build("imagefolder", str(folder)).splits["train"]
     index = next(i for i in range(len(source)) if source.describe(i).endswith("cat/01.jpg"))
-    dataset = data.ImageDataset(source, lambda x, rng: x, 0, "train")
+    dataset = ImageDataset(source, lambda x, rng: x, 0, "train")
     with pytest.raises(DataError, match=rf"train sample {index} \(.*cat/01.jpg\) could not be"):
         dataset[(0, index)]
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from conftest import run_labrun
 from labrun import models
 from labrun.core.errors import LabrunError
-from labrun.data import digits
+from labrun.data.image import digits
 from labrun.deploy import export
 
 

@@ -63,7 +63,7 @@ def test_installs_without_a_c_compiler(tmp_path):
 
 def test_doctor_names_the_missing_region_decoder():
     # The compiled module made unimportable, as on a machine that built without a compiler.
-    code = ("import sys; sys.modules['labrun.data._jpeg_region'] = None\n"
+    code = ("import sys; sys.modules['labrun.data.image._jpeg_region'] = None\n"
             "from labrun.doctor.libraries import check_jpeg_regions\n"
             "c = check_jpeg_regions(); print(c.status, '|', c.detail, '|', c.fix)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

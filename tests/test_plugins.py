@@ -19,7 +19,7 @@ LAB_MODULE = textwrap.dedent('''
 
     import numpy as np
 
-    from labrun.data.sources import ArraySource
+    from labrun.data.image.sources import ArraySource
     from labrun.train.callbacks import Callback
 
 

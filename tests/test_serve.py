@@ -31,8 +31,8 @@ from PIL import Image
 
 from conftest import LABRUN, PROJECT, digit_jpeg, run_labrun
 from labrun import cli, models
-from labrun.data import digits
-from labrun.data.transforms import ValTransform, normalize_on_device
+from labrun.data.image import digits
+from labrun.data.image.transforms import ValTransform, normalize_on_device
 from labrun.deploy import runtime as inference
 from labrun.deploy.serve import MAX_CONCURRENCY
 from labrun.deploy.served import serving
@@ -202,8 +202,8 @@ def test_the_server_prepares_exactly_the_val_loaders_pixels(onnx_model):
     server's input must be the val loader's, pixel for pixel: the same centre-crop rectangle,
     decoded at the same DCT scale (never below the model's size, so a 90 px JPEG's crop may
     be decoded at 1/2 but a 70 px one's may not)."""
-    from labrun.data import decode as data_decode
-    from labrun.data.transforms import center_crop_box
+    from labrun.data.image import decode as data_decode
+    from labrun.data.image.transforms import center_crop_box
 
     predictor = inference.Predictor(onnx_model)
     rng = np.random.default_rng(0)

@@ -31,7 +31,7 @@ import pytest
 from PIL import Image
 
 from conftest import PROJECT
-from labrun.data import digits
+from labrun.data.image import digits
 from labrun.deploy import batching
 from labrun.deploy.batching import Batcher, BatcherClosed
 from labrun.deploy.served import serving

@@ -32,7 +32,7 @@ from conftest import FAST, LABRUN, PROJECT, PYTHON, read_metrics, read_summary
 SLOW_DATA = textwrap.dedent('''
     import time
 
-    from labrun.data import synthetic
+    from labrun.data.image import synthetic
 
     SLEEP_S = 0.4
 
@@ -64,7 +64,7 @@ SLOW_DATA = textwrap.dedent('''
 # logged every two and at the epoch's end: points at steps 2, 4 and 5, the first (the loader
 # starting up) left out of the figures.
 # max_parallel is 1 without GPUs: the jobs run one after the other, not against each other.
-JOBS = ["dataset=synthetic", "dataset._target_=labrun.data.synthetic.load,slowdata.load",
+JOBS = ["dataset=synthetic", "dataset._target_=labrun.data.image.synthetic.load,slowdata.load",
         "trainer.batch_size=4", "trainer.max_epochs=1",
         "trainer.limit_train_batches=5", "trainer.limit_val_batches=1",
         "trainer.log_every_n_steps=2"]
@@ -173,7 +173,7 @@ def test_the_runs_own_threshold_decides(sweep_dir, tmp_path):
 def write_run(path: Path, rows: list[dict], config: dict | None = None,
               status: str = "completed") -> Path:
     (path / ".hydra").mkdir(parents=True)
-    base = {"dataset": {"_target_": "labrun.data.digits.load", "num_workers": 4},
+    base = {"dataset": {"_target_": "labrun.data.image.digits.load", "num_workers": 4},
             "trainer": {"batch_size": 64}}
     for section, values in (config or {}).items():
         base.setdefault(section, {}).update(values)
@@ -249,7 +249,7 @@ def test_an_image_folder_run_is_told_to_convert_to_hdf5(tmp_path):
     from labrun.runs.rundir import RunDir
 
     rows = [train_point(10, 0, 90.0, 0.62), train_point(20, 0, 90.0, 0.62)]
-    config = {"dataset": {"_target_": "labrun.data.imagefolder.load", "root": "/data/pets",
+    config = {"dataset": {"_target_": "labrun.data.image.imagefolder.load", "root": "/data/pets",
                           "num_workers": 0}}
     figures = measure(RunDir(write_run(tmp_path / "run", rows, config)))
     assert figures.reason == "waits 62% of the time for data"

@@ -11,7 +11,7 @@ import torch
 
 from conftest import even_labels_env, even_labels_task, read_counts, read_summary, run_train
 from labrun.data import EpochSampler
-from labrun.data.transforms import (
+from labrun.data.image.transforms import (
     BatchNormalizer,
     TrainTransform,
     ValTransform,

@@ -15,7 +15,7 @@ Every pipeline runs a warm-up epoch, then whole epochs for at least --seconds; a
 over the images --passes times, as a real dataset's epoch is long. The rounds are interleaved
 and each pipeline keeps its best round, which tames noise from other processes.
 
---decode-device cpu|cuda runs pipelines 2 and 3 with dataset.decode=cpu|cuda (data/batched.py):
+--decode-device cpu|cuda runs pipelines 2 and 3 with dataset.decode=cpu|cuda (data/image/batched.py):
 the workers read bytes and draw crops, the main process decodes each batch with torchvision's
 decode_jpeg on that device. With --device cuda the benchmark also times ResNet-50 training
 steps in bf16 on the same device and batch size (figure resnet50, images/s) and reports
@@ -43,7 +43,7 @@ import numpy as np
 from labrun.bench import write_json
 from labrun.bench.targets import Target, Verdict, judge
 from labrun.core.errors import ConfigError, LabrunError
-from labrun.data.convert import cpu_count
+from labrun.data.image.convert import cpu_count
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -119,7 +119,7 @@ def run_data(args: argparse.Namespace) -> list[Verdict]:
         h5_path = root.with_suffix(".h5")
         described = f"{args.images} generated photo-like JPEGs, sides 256-512 px, in {root}"
     if args.root or not h5_path.exists():
-        from labrun.data.convert import convert
+        from labrun.data.image.convert import convert
 
         log.info("converting %s -> %s", root, h5_path)
         convert(str(root), str(h5_path), workers=cpu_count(), force=True, console=Console(quiet=True))
@@ -223,11 +223,11 @@ def labrun_data(dataset: dict, args: argparse.Namespace):
 
     from labrun import data
     from labrun.config.schema import HDF5Config, ImageFolderConfig
-    from labrun.data.sources import SubsetSource
+    from labrun.data.image.sources import SubsetSource
 
     schema = HDF5Config if dataset["name"] == "hdf5" else ImageFolderConfig
     # The loader conf/dataset/<name>.yaml names: the benchmark builds the same Data a run does.
-    target = f"labrun.data.{dataset['name']}.load"
+    target = f"labrun.data.image.{dataset['name']}.load"
     cfg = OmegaConf.merge(OmegaConf.structured(schema), {"_target_": target,
         **dataset, "decoder": "turbojpeg", "image_size": args.size, "num_workers": args.workers,
         "decode": getattr(args, "decode_device", "workers"),
@@ -248,7 +248,7 @@ def labrun_loader(splits, args: argparse.Namespace, device):
 def measure_labrun(splits, args: argparse.Namespace, device) -> float:
     import torch
 
-    from labrun.data.transforms import BatchNormalizer
+    from labrun.data.image.transforms import BatchNormalizer
 
     # What the session does with each batch. On the CPU as the device, in one thread: a second
     # one would only take turns with the workers on the same cores (measured: -20%).
@@ -339,7 +339,7 @@ def seconds_per_sample(splits, seconds: float) -> float:
     image at least once and for at least `seconds`, after a warm-up of a few samples."""
     import torch
 
-    from labrun.data import ImageDataset
+    from labrun.data.image import ImageDataset
 
     dataset = ImageDataset(splits.splits["train"], splits.transform("train"), 0, "train")
     threads = torch.get_num_threads()
@@ -385,7 +385,7 @@ def generate_photos(work_dir: Path, count: int, seed: int = 0, classes: int = 10
 
 
 def _write_photo(job: tuple[Path, int, int]) -> None:
-    from labrun.data.decode import encode_jpeg
+    from labrun.data.image.decode import encode_jpeg
 
     path, seed, index = job
     rng = np.random.default_rng([seed, index])  # each image depends only on (seed, index)

@@ -158,15 +158,15 @@ def _trainer(cfg, data, model, run_dir: Path):
 def _session(args, run_dir: Path):
     """A Trainer on the same model, its loader replaced by the in-memory batches."""
     from labrun import models
-    from labrun.data import Data
-    from labrun.data.sources import ArraySource
+    from labrun.data.image import ImageData
+    from labrun.data.image.sources import ArraySource
 
     cfg = _compose(run_dir, args, "dataset=synthetic", f"dataset.image_size={args.image_size}",
                    "model=torchvision", f"model.name={args.model}")
     images = torch.zeros((args.batch_size, args.image_size, args.image_size, 3), dtype=torch.uint8)
     labels = torch.zeros(args.batch_size, dtype=torch.int64)
     source = ArraySource(images.numpy(), labels.numpy(), "bench", [str(i) for i in range(10)])
-    data = Data({"train": source, "val": source}, cfg.dataset)
+    data = ImageData({"train": source, "val": source}, cfg.dataset)
     return _trainer(cfg, data, models.build(cfg.model, 10), run_dir)
 
 
@@ -228,7 +228,7 @@ def _lm_figures(args) -> dict[str, float]:
 
 
 def run_trainer(args: argparse.Namespace) -> list[Verdict]:
-    from labrun.data.transforms import BatchNormalizer
+    from labrun.data.image.transforms import BatchNormalizer
 
     torch.manual_seed(0)
     batches = _batches(args, torch.Generator().manual_seed(0))

@@ -141,7 +141,10 @@ class AugmentConfig:
 
 
 @dataclass
-class DatasetConfig:
+class ImageDatasetConfig:
+    """What an image format's section holds (labrun.data.image): its loader's keys, and the
+    size, decoding, augmentation and normalisation labrun applies to every image format. A
+    dataset of another kind has a schema of its own (TokensConfig)."""
     new_keys: ClassVar[NewKeys] = NewKeys.TARGET  # those its loader takes
 
     _target_: str = MISSING  # the format's loader: a function returning {split: ImageSource}
@@ -149,7 +152,7 @@ class DatasetConfig:
     image_size: int = 224
     num_workers: int = key(2, resume_safe=True, affects_result=False)  # samples are seeded per index
     # workers | cpu | cuda: where JPEGs are decoded; cpu and cuda decode whole batches in the
-    # main process (data/batched.py). Same crops and flips; pixels differ slightly (DCT scaling,
+    # main process (data/image/batched.py). Same crops and flips; pixels differ slightly (DCT scaling,
     # nvJPEG's rounding): a result change, but a run may resume on a machine with another.
     decode: str = key("workers", resume_safe=True)
     val_fraction: float = 0.1  # held out of train when the data has no val split
@@ -159,12 +162,12 @@ class DatasetConfig:
 
 
 @dataclass
-class DigitsConfig(DatasetConfig):
+class DigitsConfig(ImageDatasetConfig):
     pass
 
 
 @dataclass
-class SyntheticConfig(DatasetConfig):
+class SyntheticConfig(ImageDatasetConfig):
     num_classes: int = 10
     num_train: int = 1024
     num_val: int = 256
@@ -172,19 +175,19 @@ class SyntheticConfig(DatasetConfig):
 
 
 @dataclass
-class ImageFolderConfig(DatasetConfig):
+class ImageFolderConfig(ImageDatasetConfig):
     root: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
     decoder: str = "turbojpeg"  # turbojpeg | pil | torchvision
 
 
 @dataclass
-class HDF5Config(DatasetConfig):
+class HDF5Config(ImageDatasetConfig):
     path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
     decoder: str = "turbojpeg"
 
 
 @dataclass
-class CIFAR10Config(DatasetConfig):
+class CIFAR10Config(ImageDatasetConfig):
     root: str = key(MISSING, must_exist=True, resume_safe=True)
     download: bool = key(True, affects_result=False)
 

@@ -1,28 +1,30 @@
-"""Datasets, samplers and loaders.
+"""Data: what `dataset._target_` makes, and the sampling every format shares.
 
-    build(cfg.dataset)  -> Data: one ImageSource per split (train, val, maybe test) + class names
-    Data.loader(split, ...)  -> a DataLoader of uint8 NCHW batches and int64 labels; with
-                                dataset.decode=cpu|cuda, one whose batches the main process
-                                decoded, already on that device (data/batched.py)
+    build(cfg.dataset) -> an object with
+        info                     what the data declares to the task (train/task.py): class
+                                 names, a vocabulary...
+        splits                   its splits (train, val, maybe test), by name
+        loader(split, ...)       a DataLoader of the split's batches, as the task's prepare()
+                                 takes them
 
-A dataset format is a function named by `dataset._target_` (digits.load, hdf5.load, ... or a
-lab's own): it takes some of the dataset keys as keyword arguments (`path`, `image_size`...)
-and returns {"train": ImageSource, "val": ..., "test": ...}; val may be left out.
+A format is a function named by `dataset._target_`, called with the dataset keys it names as
+parameters (call_target). An image format returns {"train": ImageSource, "val": ..., ...},
+which labrun.data.image makes into ImageData (transforms, decoding, held-out val); a format of
+another kind returns its own object (dataset=tokens: labrun.data.tokens.TokenData).
 
-Samples are addressed as (epoch, index): the sampler, which lives in the main process, hands
-the epoch to the workers with every index, so each sample's augmentation randomness derives from
-(seed, epoch, index). That keeps runs reproducible with any number of workers, persistent or
-not, and lets a resumed run continue mid-epoch with exactly the same batches.
+Samples are addressed as (epoch, index) by EpochSampler, whatever the format: the sampler,
+which lives in the main process, hands the epoch to the workers with every index, so each
+sample's randomness derives from (seed, epoch, index). That keeps runs reproducible with any
+number of workers, persistent or not, lets a resumed run continue mid-epoch with exactly the
+same batches, and shards a step's samples across DDP ranks (epoch_loader).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
@@ -30,9 +32,20 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labrun.config import keys
 from labrun.core.errors import DataError
-from labrun.data import batched
-from labrun.data.sources import ImageSource, hold_out
-from labrun.data.transforms import TrainTransform, ValTransform
+
+
+class Data(Protocol):
+    """What the Trainer reads of a run's data, whatever its kind."""
+
+    @property
+    def info(self) -> dict[str, Any]: ...
+
+    @property
+    def splits(self) -> Mapping[str, Any]: ...
+
+    def loader(self, split: str, *, micro_batch_size: int, seed: int, rank: int = 0,
+               world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False
+               ) -> Any: ...
 
 
 def call_target(node: DictConfig, **available: Any) -> Any:
@@ -52,54 +65,6 @@ def call_target(node: DictConfig, **available: Any) -> Any:
 
 def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-
-@dataclass
-class Data:
-    splits: dict[str, ImageSource]
-    cfg: DictConfig
-
-    @property
-    def class_names(self) -> list[str]:
-        return self.splits["train"].class_names
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.class_names)
-
-    @property
-    def info(self) -> dict[str, Any]:
-        """What the data declares to the task (train/task.py): its class names, and the mean
-        and std its images are normalised by."""
-        return {"class_names": self.class_names, "mean": list(self.cfg.mean),
-                "std": list(self.cfg.std)}
-
-    def transform(self, split: str) -> Callable:
-        if split == "train":
-            aug = self.cfg.augment
-            return TrainTransform(self.cfg.image_size, tuple(aug.crop_scale),
-                                  tuple(aug.crop_ratio), aug.hflip)
-        return ValTransform(self.cfg.image_size, self.cfg.augment.val_resize_ratio)
-
-    def loader(self, split: str, *, micro_batch_size: int, seed: int, rank: int = 0,
-               world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False
-               ) -> DataLoader:
-        """Train: shuffled per epoch, whole optimizer steps only. Eval: in order, every sample once."""
-        source = self.splits[split]
-        images = ImageDataset(source, self.transform(split), seed, split)
-        batched_decode = self.cfg.get("decode", "workers") != "workers"
-        loader = epoch_loader(batched.EncodedDataset(images) if batched_decode else images,
-                              train=split == "train", micro_batch_size=micro_batch_size,
-                              seed=seed, rank=rank, world_size=world_size,
-                              samples_per_step=samples_per_step,
-                              # batched: nvJPEG copies the bytes itself; nothing to pin
-                              pin_memory=pin_memory and not batched_decode,
-                              num_workers=self.cfg.num_workers, name=source.name,
-                              collate_fn=batched.collate if batched_decode else None)
-        if not batched_decode:
-            return loader
-        decoder = batched.BatchDecoder(images, batched.decode_device(self.cfg.decode))
-        return batched.DecodedLoader(loader, decoder)
 
 
 def epoch_loader(samples: Dataset, *, train: bool, micro_batch_size: int, seed: int,
@@ -123,50 +88,14 @@ def epoch_loader(samples: Dataset, *, train: bool, micro_batch_size: int, seed: 
 
 
 def build(cfg: DictConfig) -> Data:
-    decode = cfg.get("decode", "workers")
-    if decode != "workers":
-        batched.check_device(decode)  # before reading any data
-    splits = call_target(cfg)
-    if not isinstance(splits, dict):
-        return splits  # a format that makes its own loaders (dataset=tokens: data/tokens.py)
-    if "val" not in splits:
-        if cfg.val_fraction <= 0:
-            raise DataError(f"{splits['train'].name} has no val split; set dataset.val_fraction "
-                            f"(for example 0.1) to hold out part of train")
-        splits["train"], splits["val"] = hold_out(splits["train"], cfg.val_fraction)
-    for split, source in splits.items():
-        if len(source) == 0:
-            raise DataError(f"{source.name}: the {split} split is empty; add images to it")
-    if decode != "workers":
-        batched.check(decode, splits)
-    return Data(splits, cfg)
+    """The data `cfg` (the dataset section) names, ready for the Trainer."""
+    from labrun.data import image  # the image formats' loaders return their splits
 
-
-class ImageDataset(Dataset):
-    """(epoch, index) -> (uint8 CxHxW tensor, label), augmented with per-sample randomness."""
-
-    def __init__(self, source: ImageSource, transform: Callable, seed: int, split: str):
-        self.source, self.transform, self.seed, self.split = source, transform, seed, split
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        epoch, index = key
-        rng = np.random.default_rng([self.seed, epoch, index])
-        try:
-            image = self.source.open(index)  # a JPEG is decoded by the transform, when it crops
-            return self.transform(image, rng), int(self.source.labels[index])
-        except DataError:
-            raise
-        except Exception as error:
-            raise self.error(index, error) from error
-
-    def error(self, index: int, error: BaseException | str) -> DataError:
-        """The one line for sample `index` that could not be loaded: which file, and why."""
-        hint = getattr(self.source, "hint", None)
-        return DataError(f"{self.split} sample {index} ({self.source.describe(index)}) could "
-                         f"not be loaded: {error}" + (f"; {hint}" if hint else ""))
+    image.check_decode(cfg)  # before any data is read
+    made = call_target(cfg)
+    if isinstance(made, dict):
+        return image.ImageData.build(made, cfg)
+    return made  # a format that makes its own loaders (dataset=tokens: data/tokens.py)
 
 
 class EpochSampler(Sampler):

@@ -38,10 +38,10 @@ from omegaconf import OmegaConf
 
 import labrun
 from labrun import models
-from labrun.config.schema import DatasetConfig
+from labrun.config.schema import ImageDatasetConfig
 from labrun.core.errors import LabrunError, one_line
 from labrun.core.files import atomic_path, write_json_atomic
-from labrun.data.transforms import ValTransform, normalize_on_device
+from labrun.data.image.transforms import ValTransform, normalize_on_device
 from labrun.deploy import lm
 from labrun.deploy import runtime as inference
 from labrun.runs.rundir import RunDir
@@ -86,7 +86,7 @@ class Preprocessing:
 
     @classmethod
     def from_dataset(cls, dataset: dict[str, Any]) -> Preprocessing:
-        default = DatasetConfig()  # the schema's defaults, for keys an old config lacks
+        default = ImageDatasetConfig()  # the schema's defaults, for keys an old config lacks
         augment = dataset.get("augment", {})
         return cls(int(dataset.get("image_size", default.image_size)),
                    float(augment.get("val_resize_ratio", default.augment.val_resize_ratio)),

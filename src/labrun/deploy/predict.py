@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from labrun.core.errors import LabrunError
-from labrun.data.decode import IMAGE_SUFFIXES
+from labrun.data.image.decode import IMAGE_SUFFIXES
 from labrun.deploy import load
 from labrun.deploy import runtime as inference
 

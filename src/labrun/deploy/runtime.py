@@ -30,8 +30,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from labrun.core.errors import LabrunError, one_line
-from labrun.data import decode as data_decode
-from labrun.data.transforms import ValTransform, normalize_on_device
+from labrun.data.image import decode as data_decode
+from labrun.data.image.transforms import ValTransform, normalize_on_device
 
 # An upload may be a small file that decodes into a huge image (a "decompression bomb");
 # 50 megapixels covers any camera photo and bounds the memory one request can take (150 MB).
@@ -60,7 +60,7 @@ def metadata_path(model_path: str | Path) -> Path:
 
 def open_image(data: bytes, decoder: str = "turbojpeg") -> np.ndarray | data_decode.JpegImage:
     """Encoded image bytes -> what the validation transform takes, as the training data
-    pipeline opens them (labrun.data.decode.open_image: a JPEG that TurboJPEG decodes stays
+    pipeline opens them (labrun.data.image.decode.open_image: a JPEG that TurboJPEG decodes stays
     undecoded until the transform has chosen its crop; other formats are decoded by Pillow);
     ImageError for anything that is not a usable image.
 

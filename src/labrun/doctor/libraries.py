@@ -68,10 +68,10 @@ def check_turbojpeg() -> Check:
 
 
 def check_jpeg_regions() -> Check:
-    """The compiled decoder that decodes only a training crop (labrun/data/_jpeg_region.c)."""
+    """The compiled decoder that decodes only a training crop (labrun/data/image/_jpeg_region.c)."""
     import numpy as np
 
-    from labrun.data import decode
+    from labrun.data.image import decode
 
     if decode._decode_region is None:
         return Check("jpeg regions", WARNING, "labrun's JPEG region decoder is not compiled: "

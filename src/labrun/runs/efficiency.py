@@ -54,7 +54,9 @@ UNDERUSED = "underused"
 HEALTHY = "healthy"
 NO_DATA = "no data yet"
 
-IMAGEFOLDER_TARGET = "labrun.data.imagefolder.load"
+# The image-folder loader, by the name it has, and by the one runs written before
+# labrun.data.image had (their config keeps it).
+IMAGEFOLDER_TARGETS = ("labrun.data.image.imagefolder.load", "labrun.data.imagefolder.load")
 
 
 @dataclass
@@ -174,7 +176,7 @@ def _data_fix(config: DictConfig | None) -> str:
         fix = "raise dataset.num_workers (now 0: the training process loads every batch itself)"
     else:
         fix = f"raise dataset.num_workers (now {workers:g})"
-    if _select(config, "dataset._target_") == IMAGEFOLDER_TARGET:
+    if _select(config, "dataset._target_") in IMAGEFOLDER_TARGETS:
         root = _select(config, "dataset.root")
         root = root if isinstance(root, str) else "ROOT"  # unknown here: the placeholder
         fix += (f" or convert the folder to HDF5 (labrun convert {root} OUT.h5, then train "

@@ -89,7 +89,7 @@ class Classification:
               memory_format: torch.memory_format) -> None:
         import torch
 
-        from labrun.data.transforms import BatchNormalizer
+        from labrun.data.image.transforms import BatchNormalizer
 
         self.class_names = list(info["class_names"])
         shape = (1, -1, 1, 1)

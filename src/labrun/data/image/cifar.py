@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from labrun.core.errors import DataError
-from labrun.data.sources import ArraySource
+from labrun.data.image.sources import ArraySource
 
 
 def load(root: str, download: bool, val_fraction: float) -> dict[str, ArraySource]:

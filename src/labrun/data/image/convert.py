@@ -1,4 +1,4 @@
-"""An image folder -> one HDF5 file (layout: data/hdf5.py); the command is labrun.cli.convert.
+"""An image folder -> one HDF5 file (layout: data/image/hdf5.py); the command is labrun.cli.convert.
 
     labrun convert data/raw/imagenet data/processed/imagenet.h5 --max-side 512 --workers 16
     labrun convert data/raw/cifar data/processed/cifar.h5 --storage raw
@@ -44,9 +44,9 @@ from rich.table import Table
 
 from labrun.core.errors import DataError, LabrunError, one_line
 from labrun.core.files import atomic_path
-from labrun.data import hdf5, imagefolder
-from labrun.data.decode import decode, encode_jpeg, is_jpeg, resolve
-from labrun.data.transforms import ValTransform
+from labrun.data.image import hdf5, imagefolder
+from labrun.data.image.decode import decode, encode_jpeg, is_jpeg, resolve
+from labrun.data.image.transforms import ValTransform
 
 COPY_BLOCK = 64 << 20  # bytes per write when copying a spool into the HDF5 file
 MAX_LISTED = 20  # verify: failing samples listed before "and N more"

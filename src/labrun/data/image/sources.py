@@ -1,6 +1,7 @@
 """Image sources: indexable collections of (uint8 HxWx3 image, label) for one split.
 
-A source only knows how to fetch image i; augmentation and batching live in data/__init__.py.
+A source only knows how to fetch image i; augmentation and batching live in
+data/image/__init__.py.
 Every source has:
     name         "digits/train", a file path... used in error messages
     labels       int64 array, one per image
@@ -9,11 +10,11 @@ Every source has:
     load(i, min_size=None)   uint8 HxWx3 RGB; a decoder may return a smaller image (JPEG DCT
                              scaling) as long as both sides stay >= min_size
     open(i)      what the transforms take: the pixels, or a JpegImage that decodes only the
-                 region a transform crops from it (labrun.data.decode)
+                 region a transform crops from it (labrun.data.image.decode)
     describe(i)  where image i comes from, for error messages ("digits/train[12]", a file path)
     hint         optional: what to do about a sample that cannot be read, added to the error
     holds_jpeg   optional (default False): its images are stored as JPEG files, whose bytes
-    read(i)      gives; what dataset.decode=cpu|cuda (data/batched.py) needs
+    read(i)      gives; what dataset.decode=cpu|cuda (data/image/batched.py) needs
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-from labrun.data.decode import JpegImage
+from labrun.data.image.decode import JpegImage
 
 
 class ImageSource(Protocol):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from labrun.core.errors import DataError
-from labrun.data.decode import IMAGE_SUFFIXES, JpegImage, decode, open_image, resolve
+from labrun.data.image.decode import IMAGE_SUFFIXES, JpegImage, decode, open_image, resolve
 
 SPLITS = ("train", "val", "test")
 JPEG_SUFFIXES = frozenset({b".jpg", b".jpeg", b".jpe"})

@@ -14,7 +14,7 @@ import cv2
 import numpy as np
 
 from labrun.core.errors import DataError
-from labrun.data.sources import ArraySource
+from labrun.data.image.sources import ArraySource
 
 CLASS_NAMES = [str(d) for d in range(10)]
 SPLIT_SEED = 0  # the val split is fixed: it does not change with the run's seed

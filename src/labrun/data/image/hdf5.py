@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 
 from labrun.core.errors import DataError
-from labrun.data.decode import JpegImage, decode, open_image, resolve
+from labrun.data.image.decode import JpegImage, decode, open_image, resolve
 
 FORMAT = 1
 STORAGES = ("jpeg", "raw")

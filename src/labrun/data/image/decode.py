@@ -48,7 +48,7 @@ TURBOJPEG_PACKAGE = "libturbojpeg0"  # Debian/Ubuntu; macOS: brew install jpeg-t
 log = logging.getLogger(__name__)
 
 try:
-    from labrun.data._jpeg_region import decode_region as _decode_region
+    from labrun.data.image._jpeg_region import decode_region as _decode_region
 except ImportError:  # not compiled at install time: JpegImage.crop decodes in full instead
     _decode_region = None
 
@@ -82,7 +82,7 @@ def is_jpeg(data: bytes | np.ndarray) -> bool:
 def jpeg_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
     """(height, width) of a whole RGB or grayscale JPEG, from its header; None for anything
     else (other formats, CMYK, a file cut short or whose header does not parse), which the
-    batched decode (data/batched.py) leaves to the workers' decoders, as they name the file."""
+    batched decode (data/image/batched.py) leaves to the workers' decoders, as they name the file."""
     if not is_jpeg(data) or bytes(data[-2:]) != b"\xff\xd9":
         return None
     try:

@@ -5,14 +5,14 @@
 
 The DataLoader workers do what needs no pixels: read a sample's bytes (a file, an HDF5 slice),
 read the JPEG header for its size, and draw the crop and flip with the transform's own box(),
-from the same (seed, epoch, index) generator as the workers path (data.ImageDataset): both crop
+from the same (seed, epoch, index) generator as the workers path (labrun.data.image.ImageDataset): both crop
 and flip alike. Each batch crosses to this process as one flat byte tensor. Here torchvision's
 decode_jpeg decodes the batch's JPEGs in one call (nvJPEG on the GPU, which is fastest given a
 list; libjpeg-turbo on the CPU), and each image is cropped, resized and mirrored on that device.
 cpu and cuda run the same code but for the device, so the CPU tests cover the logic.
 
 Pixels differ a little from the workers path: it decodes at a reduced DCT scale when a crop is
-at least twice the output size (data/decode.py), this path always at full size; nvJPEG rounds
+at least twice the output size (data/image/decode.py), this path always at full size; nvJPEG rounds
 its IDCT and chroma upsampling a little differently from libjpeg-turbo; and the resize runs in
 float32 (CUDA's antialiased kernel takes no uint8), where the workers' CPU kernel is uint8 fixed
 point. tests/test_data_decode_batched.py states the tolerance.
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from labrun.core.errors import ConfigError, DataError, one_line
-from labrun.data.decode import encode_jpeg, jpeg_size
+from labrun.data.image.decode import encode_jpeg, jpeg_size
 
 DECODES = ("workers", "cpu", "cuda")
 

@@ -9,12 +9,12 @@ also turns HWC into CHW: torch's uint8 antialiased bilinear resize, the same ker
 same pixels) as torchvision's RandomResizedCrop/Resize on tensors, with a SIMD path for
 channels-last uint8 that is several times faster than OpenCV's INTER_AREA.
 
-An image is pixels or a JpegImage (labrun.data.decode), which is known by its size alone until
+An image is pixels or a JpegImage (labrun.data.image.decode), which is known by its size alone until
 the crop is chosen and then decodes only that region: the box is sampled from the full-size
 dimensions either way, so both give the same crops.
 
 A transform's box() is where it draws its randomness (the crop, the flip): dataset.decode=cpu|cuda
-(data/batched.py) draws the same boxes in the workers from the header's size alone, and crops
+(data/image/batched.py) draws the same boxes in the workers from the header's size alone, and crops
 and resizes in the main process after decoding the whole batch there.
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from labrun.data.decode import JpegImage
+from labrun.data.image.decode import JpegImage
 
 Image = np.ndarray | JpegImage  # uint8 HxWxC pixels, or a JPEG not decoded yet
 
@@ -119,7 +119,7 @@ class TrainTransform:
 
     def box(self, height: int, width: int, rng: np.random.Generator) -> Box:
         """The crop and flip for an image of this size: the only draws from `rng`, shared with
-        the batched decode (data/batched.py), which must crop exactly as the workers do."""
+        the batched decode (data/image/batched.py), which must crop exactly as the workers do."""
         top, left, h, w = self.crop_box(height, width, rng)
         return Box(top, left, h, w, bool(self.hflip and rng.random() < 0.5))
 

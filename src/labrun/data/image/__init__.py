@@ -1,0 +1,129 @@
+"""Images: the formats that give one ImageSource per split (digits, cifar, imagefolder, hdf5,
+synthetic, or a lab's own), their decoding (decode.py, batched.py) and augmentation
+(transforms.py), and ImageData, which the Trainer gets for them (labrun.data.build):
+
+    ImageData.info              class names, and the mean and std the image tasks normalise by
+    ImageData.loader(split...)  a DataLoader of uint8 NCHW batches and int64 labels; with
+                                dataset.decode=cpu|cuda, one whose batches the main process
+                                decoded, already on that device (batched.py)
+
+Each sample's augmentation randomness derives from (seed, epoch, index) (ImageDataset), as
+labrun.data.EpochSampler hands them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+
+from labrun.core.errors import DataError
+from labrun.data import epoch_loader
+from labrun.data.image import batched
+from labrun.data.image.sources import ImageSource, hold_out
+from labrun.data.image.transforms import TrainTransform, ValTransform
+
+
+def check_decode(cfg: DictConfig) -> None:
+    """dataset.decode=cpu|cuda: refused before any data is read where it cannot run."""
+    decode = cfg.get("decode", "workers")
+    if decode != "workers":
+        batched.check_device(decode)
+
+
+@dataclass
+class ImageData:
+    splits: dict[str, ImageSource]
+    cfg: DictConfig
+
+    @classmethod
+    def build(cls, splits: dict[str, ImageSource], cfg: DictConfig) -> ImageData:
+        """The format's splits, with val held out of train where the format has none, each
+        checked not empty."""
+        if "val" not in splits:
+            if cfg.val_fraction <= 0:
+                raise DataError(f"{splits['train'].name} has no val split; set "
+                                f"dataset.val_fraction (for example 0.1) to hold out part of "
+                                f"train")
+            splits["train"], splits["val"] = hold_out(splits["train"], cfg.val_fraction)
+        for split, source in splits.items():
+            if len(source) == 0:
+                raise DataError(f"{source.name}: the {split} split is empty; add images to it")
+        decode = cfg.get("decode", "workers")
+        if decode != "workers":
+            batched.check(decode, splits)
+        return cls(splits, cfg)
+
+    @property
+    def class_names(self) -> list[str]:
+        return self.splits["train"].class_names
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What the data declares to the task (train/task.py): its class names, and the mean
+        and std its images are normalised by."""
+        return {"class_names": self.class_names, "mean": list(self.cfg.mean),
+                "std": list(self.cfg.std)}
+
+    def transform(self, split: str) -> Callable:
+        if split == "train":
+            aug = self.cfg.augment
+            return TrainTransform(self.cfg.image_size, tuple(aug.crop_scale),
+                                  tuple(aug.crop_ratio), aug.hflip)
+        return ValTransform(self.cfg.image_size, self.cfg.augment.val_resize_ratio)
+
+    def loader(self, split: str, *, micro_batch_size: int, seed: int, rank: int = 0,
+               world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False
+               ) -> DataLoader:
+        """Train: shuffled per epoch, whole optimizer steps only. Eval: in order, every sample once."""
+        source = self.splits[split]
+        images = ImageDataset(source, self.transform(split), seed, split)
+        batched_decode = self.cfg.get("decode", "workers") != "workers"
+        loader = epoch_loader(batched.EncodedDataset(images) if batched_decode else images,
+                              train=split == "train", micro_batch_size=micro_batch_size,
+                              seed=seed, rank=rank, world_size=world_size,
+                              samples_per_step=samples_per_step,
+                              # batched: nvJPEG copies the bytes itself; nothing to pin
+                              pin_memory=pin_memory and not batched_decode,
+                              num_workers=self.cfg.num_workers, name=source.name,
+                              collate_fn=batched.collate if batched_decode else None)
+        if not batched_decode:
+            return loader
+        decoder = batched.BatchDecoder(images, batched.decode_device(self.cfg.decode))
+        return batched.DecodedLoader(loader, decoder)
+
+
+class ImageDataset(Dataset):
+    """(epoch, index) -> (uint8 CxHxW tensor, label), augmented with per-sample randomness."""
+
+    def __init__(self, source: ImageSource, transform: Callable, seed: int, split: str):
+        self.source, self.transform, self.seed, self.split = source, transform, seed, split
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key
+        rng = np.random.default_rng([self.seed, epoch, index])
+        try:
+            image = self.source.open(index)  # a JPEG is decoded by the transform, when it crops
+            return self.transform(image, rng), int(self.source.labels[index])
+        except DataError:
+            raise
+        except Exception as error:
+            raise self.error(index, error) from error
+
+    def error(self, index: int, error: BaseException | str) -> DataError:
+        """The one line for sample `index` that could not be loaded: which file, and why."""
+        hint = getattr(self.source, "hint", None)
+        return DataError(f"{self.split} sample {index} ({self.source.describe(index)}) could "
+                         f"not be loaded: {error}" + (f"; {hint}" if hint else ""))
