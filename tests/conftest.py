@@ -23,6 +23,13 @@ LABRUN = str(Path(PYTHON).with_name("labrun"))
 # Fast, CPU-only, no W&B: the defaults of every test run unless a test says otherwise.
 FAST = ["logger=csv", "trainer.progress=log", "dataset.num_workers=0"]
 
+# A suite started in the background of a shell without job control (`make test &` in a script)
+# inherits SIGINT ignored, and so would every process it starts: the tests that stop runs,
+# sweeps and servers with Ctrl-C would wait for them in vain. The suite's processes get
+# SIGINT's default back (a handler, unlike SIG_IGN, is not inherited across exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # One intra-op thread for torch in every process the tests start (they inherit it, and so do
 # the SLURM jobs they submit): `make test` runs two xdist workers on two cores, so a process with
 # two threads waits at every parallel region for the thread that the other worker's process has
