@@ -50,12 +50,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     (folder / "text.txt").write_text(TEXT)
     started = {}
     try:
-        for name, spec, steps in (("bytes", "bytes", 200), ("bpe", "train:300", 20)):
+        # The BPE run's model has sizes of its own: a vocabulary padded from 300 to 320 (ids
+        # that stand for no text) and positions for windows twice its 16 tokens.
+        for name, spec, steps, sizes in (
+                ("bytes", "bytes", 200, []),
+                ("bpe", "train:300", 20, ["model.vocab_size=320", "model.block_size=32"])):
             tokens.convert_text([folder / "text.txt"], folder / f"tokens-{name}", spec)
             log = open(folder / f"{name}.log", "w")  # noqa: SIM115 - closed below
             started[name] = (start_train(*LM, f"dataset.path={folder / f'tokens-{name}'}",
                                          f"trainer.max_steps={steps}",
-                                         f"trainer.val_every_n_steps={steps}",
+                                         f"trainer.val_every_n_steps={steps}", *sizes,
                                          run_dir=folder / name, output=log), log)
         for name, (proc, _) in started.items():
             assert proc.wait(timeout=300) == 0, (folder / f"{name}.log").read_text()[-3000:]
@@ -94,12 +98,14 @@ def eager_model(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
     return model.eval(), state
 
 
-def greedy(model: torch.nn.Module, ids: list[int], count: int) -> list[int]:
-    """The argmax continuation, each step on the last BLOCK tokens."""
+def greedy(model: torch.nn.Module, ids: list[int], count: int, vocab: int | None = None
+           ) -> list[int]:
+    """The argmax continuation, each step on the last BLOCK tokens, among the first `vocab`
+    ids (a padded vocabulary's others stand for no text)."""
     ids, new = list(ids), []
     for _ in range(count):
         with torch.no_grad():
-            new.append(int(model(torch.tensor([ids[-BLOCK:]]))[0, -1].argmax()))
+            new.append(int(model(torch.tensor([ids[-BLOCK:]]))[0, -1, :vocab].argmax()))
         ids.append(new[-1])
     return new
 
@@ -212,19 +218,22 @@ def test_a_bpe_checkpoint_alone_exports_and_decodes_with_its_tokenizer(runs, tmp
     shutil.copy(runs["bpe"] / "checkpoints" / "best.pt", checkpoint)
     shutil.rmtree(token_folder)
     model, state = eager_model(checkpoint)
-    assert state["task"] == "lm" and state["vocab_size"] == 300
+    # The checkpoint records the data's sizes, beside the padded model they trained.
+    assert state["task"] == "lm" and (state["vocab_size"], state["block_size"]) == (300, BLOCK)
+    assert (model.vocab_size, model.block_size) == (320, 2 * BLOCK)
     assert state["tokenizer"]["kind"] == "trained" and state["tokenizer"]["json"] == tokenizer_json
 
     served, folder = load.load(checkpoint, task=None)
     try:
         assert isinstance(served, lm.LanguageModel)
         assert served.metadata["tokenizer"]["json"] == tokenizer_json
+        assert served.metadata["output"]["shape"] == ["batch", "sequence", 320]
         answer = served.generate(lm.Request(PROMPT, 12, temperature=0.0))
     finally:
         load.remove_folder(folder)
     reference = Tokenizer.from_str(tokenizer_json)  # the library itself, not labrun's codec
     prompt = reference.encode(PROMPT, add_special_tokens=False).ids
-    expected = greedy(model, prompt, 12)
+    expected = greedy(model, prompt, 12, vocab=300)
     assert answer["prompt_tokens"] == len(prompt) < len(PROMPT.encode())  # merged pieces
     assert answer["token_ids"] == expected
     assert answer["text"] == reference.decode(expected)

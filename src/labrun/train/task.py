@@ -161,17 +161,13 @@ class LanguageModelling:
 
     def __init__(self) -> None:
         self.tokenizer: dict[str, Any] = {}
-        self.sizes: dict[str, int] = {}  # the model's vocab_size and block_size, once built
+        self.sizes: dict[str, int] = {}  # the data's vocab_size and block_size, once set up
         self.units: dict[str, int] = {}  # {"tokens": the window}, once set up
 
     def build_model(self, model_cfg: DictConfig, info: dict[str, Any]) -> nn.Module:
         """The model for the data's vocabulary and window (`info`: vocab_size, block_size)."""
         from labrun import models
 
-        # The model's own sizes where its config sets them (model.vocab_size=320), else the
-        # data's (models.build): what a checkpoint records of it for export and serving.
-        self.sizes = {key: int(model_cfg.get(key) or info[key])
-                      for key in ("vocab_size", "block_size")}
         return models.build(model_cfg, vocab_size=info["vocab_size"],
                             block_size=info["block_size"])
 
@@ -240,6 +236,9 @@ class LanguageModelling:
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:
         self.tokenizer = dict(info.get("tokenizer", {}))
+        # The data's sizes, not the model's (a vocabulary padded with ids that stand for no
+        # text, positions beyond the window it trained on): serving samples within them.
+        self.sizes = {"vocab_size": int(info["vocab_size"]), "block_size": int(info["block_size"])}
         self.units = {"tokens": int(info["block_size"])}  # perf/tokens_per_s
 
     def prepare(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device
