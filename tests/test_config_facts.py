@@ -24,10 +24,15 @@ def fresh_facts():
 
 def test_result_changing_keys_are_told_apart_from_bookkeeping():
     # The issue's own examples, plus a key that inherits from its section (logger.*).
-    for dotted in ("trainer.max_epochs", "dataset.root", "optimizer.lr", "model.init_from"):
+    for dotted in ("trainer.max_epochs", "dataset.root", "optimizer.lr", "model.init_from",
+                   "model.pretrained", "model.freeze", "optimizer.groups",
+                   "optimizer.backbone_lr_mult"):
         assert facts.facts_of(dotted).affects_result, dotted
+    # Where the weights sit, and whether a run may fetch them, change no result: each run
+    # records the sha256 of the file it loaded.
     for dotted in ("trainer.progress", "checkpoint.keep_last", "logger.project", "paths.output_root",
-                   "cluster.partition", "dataset.num_workers"):
+                   "cluster.partition", "dataset.num_workers", "paths.weights_cache",
+                   "model.download"):
         assert not facts.facts_of(dotted).affects_result, dotted
 
 

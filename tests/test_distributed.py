@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 
+import pytest
 import torch
 
 from conftest import (
@@ -205,6 +206,27 @@ def test_padded_micro_batches_on_two_ranks_give_one_batchs_gradient_in_float64(t
         for batch, count in zip(micro_batches, counts, strict=True)).backward()
     averaged = dict(model.named_parameters())["token_embedding.weight"].grad
     assert (averaged - ranks[0]["grads"]["token_embedding.weight"]).abs().max() > 1e-4
+
+
+def test_frozen_layers_stay_out_of_ddps_reduction_and_groups_keep_their_rates(tmp_path):
+    """model.freeze in two processes: DDP reduces only the parameters that train (freezing after
+    DDP wrapped the model would leave it waiting for gradients that never come), the frozen
+    ones stay bit-identical from step to step, the others move, at their group's rate."""
+    run_train("trainer.devices=2", "dataset=synthetic", "dataset.num_train=128",
+              "dataset.num_val=32", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
+              "trainer.batch_size=32", "checkpoint.every_n_steps=1", "checkpoint.keep_last=5",
+              "model.freeze=[features.0.*]", "optimizer.groups=[{params: 'head.*', lr_mult: 10}]",
+              run_dir=tmp_path / "run")
+    assert_both_ranks_trained(rank_records(tmp_path / "run"), steps=2)
+    first, last = (torch.load(tmp_path / f"run/checkpoints/step-{s:08d}.pt", weights_only=True)
+                   for s in (1, 2))
+    frozen = ["features.0.0.weight", "features.0.0.bias"]
+    for key in first["model"]:
+        same = torch.equal(first["model"][key], last["model"][key])
+        assert same == (key in frozen), f"{key}: {'unchanged' if same else 'moved'}"
+    groups = last["optimizer"]["param_groups"]
+    assert [len(g["params"]) for g in groups] == [4, 2]  # features.1-2 at lr, head.1 at 10 lr
+    assert groups[1]["initial_lr"] == pytest.approx(10 * groups[0]["initial_lr"])
 
 
 def test_a_user_error_in_two_local_processes_is_one_line(tmp_path):

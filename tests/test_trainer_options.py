@@ -70,7 +70,8 @@ def test_init_from_loads_the_body_and_leaves_a_new_head_initialised(clipped_run,
     assert tuned["head.1.weight"].shape == (5, loaded["head.1.weight"].shape[1])
     for key in head:
         assert torch.equal(tuned[key], fresh[key]), f"{key} is not a fresh head"
-    assert "left as initialised (head.1.bias, head.1.weight)" in result.stdout
+    assert ("re-initialised the head for 5 classes: head.1.weight [5, 128], head.1.bias [5]"
+            in result.stdout)
 
 
 def is_channels_last(tensor: torch.Tensor) -> bool:

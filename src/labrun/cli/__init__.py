@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("labrun.cli.export", "export a run's model to TorchScript or ONNX"),
     "serve": ("labrun.cli.serve", "serve an exported model over HTTP"),
     "predict": ("labrun.cli.predict", "predict images offline with an exported model"),
+    "weights": ("labrun.cli.weights", "pretrained weights for offline nodes: fetch into the "
+                "lab's cache, list it"),
     "doctor": ("labrun.cli.doctor", "check this machine's GPU/CUDA/NCCL/SLURM set-up"),
     "bench": ("labrun.cli.bench", "run the benchmarks"),
     "monitor": ("labrun.cli.monitor", "Prometheus for the runs training now and the SLURM queue: "

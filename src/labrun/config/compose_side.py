@@ -18,6 +18,7 @@ code through the few entry points every revision since the config schemas has ha
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import re
 import sys
@@ -87,7 +88,13 @@ def compose_one(overrides: list[str], config_name: str, validator: Any, spare: s
             except Exception:
                 pass
         try:
-            validator.validate(cfg)
+            # What the configs say, not what this machine holds: paths are stand-ins here, and
+            # a preset's pretrained weights need not be in this machine's cache. Older sides'
+            # validate() reads no data and takes no read_data.
+            if "read_data" in inspect.signature(validator.validate).parameters:
+                validator.validate(cfg, read_data=False)
+            else:
+                validator.validate(cfg)
         except Exception as error:
             result.update(error=_message(error), stage="validate")
     return result

@@ -83,6 +83,10 @@ class PathsConfig:
     scratch_dir: str = key("/tmp/labrun-scratch", path=True, resume_safe=True,
                            affects_result=False)
     run_dir: str = key(".", resume_safe=True, affects_result=False)  # set by Hydra in each job
+    # The lab's shared pretrained weights, in the libraries' own layouts (models/pretrained.py):
+    # looked in first; null: only TORCH_HOME's and HF_HOME's caches. Each run records the sha256
+    # of the file it loaded, so where the cache sits does not change a result.
+    weights_cache: str | None = key(None, path=True, resume_safe=True, affects_result=False)
 
 
 @dataclass
@@ -228,7 +232,18 @@ class ModelConfig:
 
     _target_: str = MISSING
     _partial_: bool = True
-    init_from: str | None = key(None, must_exist=True)  # a checkpoint whose weights start this run (fine-tuning)
+    # The starting weights (train/initial_weights.py): a labrun checkpoint, a state dict (.pt,
+    # .pth) or a .safetensors file; a class head of another size is re-initialised.
+    init_from: str | None = key(None, must_exist=True)
+    freeze: list[str] = field(default_factory=list)  # parameter name patterns: ["layer1.*"]
+
+
+@dataclass
+class PretrainedModelConfig(ModelConfig):
+    # true: the library's default weights; or their name (torchvision's IMAGENET1K_V2, timm's
+    # tag a1_in1k). Found offline (models/pretrained.py); `labrun weights fetch` fills the cache.
+    pretrained: Any = False
+    download: bool = key(False, resume_safe=True, affects_result=False)  # fetch if not cached
 
 
 @dataclass
@@ -238,12 +253,12 @@ class SimpleCNNConfig(ModelConfig):
 
 
 @dataclass
-class TorchvisionModelConfig(ModelConfig):
+class TorchvisionModelConfig(PretrainedModelConfig):
     name: str = MISSING
 
 
 @dataclass
-class TimmModelConfig(ModelConfig):
+class TimmModelConfig(PretrainedModelConfig):
     name: str = MISSING  # any name timm.list_models() gives
     drop_rate: float = 0.0  # dropout before the classifier
 
@@ -268,6 +283,10 @@ class OptimizerConfig:
     _partial_: bool = True
     lr: float = MISSING
     weight_decay: float = 0.0
+    # Learning rates per parameter (train/fine_tuning.py), one of: groups by name pattern,
+    # [{params: "fc.*", lr_mult: 10}]; or every parameter but the class head at lr x this.
+    groups: list[Any] = field(default_factory=list)
+    backbone_lr_mult: float | None = None
 
 
 @dataclass

@@ -14,6 +14,10 @@ from torch import nn
 
 from labrun.core.errors import ConfigError
 
+# Keys of the model's config that labrun reads itself (the starting weights, frozen layers),
+# not constructor arguments (train/initial_weights.py, train/fine_tuning.py).
+LABRUN_KEYS = ("init_from", "pretrained", "download", "freeze")
+
 
 class SimpleCNN(nn.Module):
     """Three conv blocks and a linear head; no batch norm, so it trains on the CPU in seconds
@@ -36,8 +40,8 @@ class SimpleCNN(nn.Module):
 
 
 def torchvision_model(num_classes: int, name: str) -> nn.Module:
-    """Any torchvision classification model, randomly initialised (labs start from their own
-    checkpoints: `model.init_from=PATH`)."""
+    """Any torchvision classification model, randomly initialised: pretrained weights are
+    loaded after it is built (train/initial_weights.py), from a file found offline."""
     # Imported on use: torchvision's package imports all of it, torch._dynamo included (a
     # second or two per process), which a run of a built-in model does not need.
     import torchvision
@@ -51,7 +55,8 @@ def torchvision_model(num_classes: int, name: str) -> nn.Module:
 
 
 def timm_model(num_classes: int, name: str, drop_rate: float = 0.0) -> nn.Module:
-    """Any timm model (`timm.list_models()`), randomly initialised: nothing is downloaded."""
+    """Any timm model (`timm.list_models()`), randomly initialised: nothing is downloaded
+    (pretrained weights are loaded after it is built, train/initial_weights.py)."""
     import timm  # imported on use: timm imports slowly and most runs do not need it
 
     if not timm.is_model(name):
@@ -68,7 +73,8 @@ def build(model_cfg: DictConfig, num_classes: int | None = None, **sizes: int) -
     task=lm). A size the model's config sets itself wins over the data's: validation has
     checked that the data fits it (train/task.py, LanguageModelling.check_config)."""
     factory_cfg = OmegaConf.to_container(model_cfg, resolve=True)
-    factory_cfg.pop("init_from", None)  # a labrun key, not a constructor argument
+    for name in LABRUN_KEYS:
+        factory_cfg.pop(name, None)
     if num_classes is not None:
         sizes["num_classes"] = num_classes
     for name in list(sizes):

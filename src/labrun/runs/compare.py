@@ -21,6 +21,7 @@ from typing import Any
 
 from labrun.core.errors import LabrunError
 from labrun.runs import compare_output as output
+from labrun.runs import provenance
 from labrun.runs.rundir import ROW_BOOKKEEPING, RunDir, is_metric_value
 from labrun.runs.sweepdir import TRIAL_CALLBACK, SweepDir
 
@@ -89,6 +90,7 @@ class Run:
     seconds: float | None = None
     best: float | None = None
     final: float | None = None
+    weights: str | None = None  # where its starting weights came from, and their sha256
 
     @property
     def status(self) -> str:
@@ -143,6 +145,9 @@ def load_run(path: Path) -> Run:
         run.monitor = checkpoint.get("monitor") or run.monitor
         run.mode = checkpoint.get("mode")
     run.seconds = wall_time(run, folder.config_path)
+    started = provenance.read_weights(folder.provenance_dir)
+    if started:
+        run.weights = f"{started.get('source')} sha256:{str(started.get('sha256'))[:12]}"
     return run
 
 

@@ -32,6 +32,10 @@ def table(runs: list[Run], keys: list[str], metric: str) -> tuple[list[str], lis
     columns = ["run", *keys, "status", f"best {metric}", f"final {metric}", "epochs", "time"]
     rows = [[one.name, *(one.overrides.get(key) for key in keys), one.status, one.best,
              one.final, one.epochs, one.seconds] for one in runs]
+    if any(one.weights for one in runs):  # fine-tuned runs: what each started from
+        columns.append("weights")
+        for row, one in zip(rows, runs, strict=True):
+            row.append(one.weights)
     return columns, rows
 
 

@@ -6,6 +6,8 @@
     environment.json  python, torch, CUDA, cuDNN, NCCL, GPUs and driver, host, container,
                       the scheduler's ids (core.environment)
     command.json      the exact command line, working directory and Hydra overrides
+    weights.json      where the starting weights came from (model.pretrained's library and
+                      name, or model.init_from's file), the file loaded and its sha256
 
 Secrets never land here: command-line values of keys that look like credentials are redacted,
 and no environment variable is recorded except the scheduler's ids (SLURM's job, array and
@@ -31,6 +33,7 @@ from labrun.core.secrets import redact
 # The files of a run's provenance/ folder (RunDir.provenance_dir).
 GIT, GIT_DIFF, PACKAGES = "git.json", "git.diff", "packages.txt"
 ENVIRONMENT, COMMAND = "environment.json", "command.json"
+WEIGHTS = "weights.json"  # the starting weights' source, file and sha256 (fine-tuning)
 # Set inside a cluster.container job by its task script or batch script (launch/container.py).
 CONTAINER_IMAGE_ENV, CONTAINER_DIGEST_ENV = "LABRUN_CONTAINER_IMAGE", "LABRUN_CONTAINER_DIGEST"
 
@@ -102,10 +105,11 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def write(folder: Path, overrides: list[str], project_dir: Path, argv: list[str], cwd: str
-          ) -> dict[str, Any]:
+def write(folder: Path, overrides: list[str], project_dir: Path, argv: list[str], cwd: str,
+          weights: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write provenance/ and return what W&B and the checkpoint also record; `argv` and
-    `cwd`: the command that started the run, and where (`labrun rerun` runs it again)."""
+    `cwd`: the command that started the run, and where (`labrun rerun` runs it again);
+    `weights`: where its starting weights came from (source, file, sha256), if not random."""
     folder.mkdir(parents=True, exist_ok=True)
     git = git_state(project_dir)
     (folder / GIT).write_text(json.dumps(git, indent=2) + "\n")
@@ -117,6 +121,19 @@ def write(folder: Path, overrides: list[str], project_dir: Path, argv: list[str]
     command = {"argv": [redact(a) for a in argv], "executable": sys.executable,
                "cwd": cwd, "overrides": [redact(o) for o in overrides]}
     (folder / COMMAND).write_text(json.dumps(command, indent=2) + "\n")
-    return {"git_commit": git["commit"], "git_dirty": git["dirty"], "host": env["hostname"],
+    if weights is not None:
+        (folder / WEIGHTS).write_text(json.dumps(weights, indent=2) + "\n")
+    started = ({"weights": weights["source"], "weights_sha256": weights["sha256"]}
+               if weights else {})
+    return {**started,"git_commit": git["commit"], "git_dirty": git["dirty"], "host": env["hostname"],
             "slurm_job_id": where.read().job_id, "torch": env["torch"],
             "cuda": env["cuda"]}
+
+
+def read_weights(folder: Path) -> dict[str, Any] | None:
+    """weights.json of a provenance folder: None for a run from random weights (or one whose
+    record is unreadable)."""
+    try:
+        return json.loads((folder / WEIGHTS).read_text())
+    except (OSError, ValueError):
+        return None

@@ -85,8 +85,17 @@ class CheckpointState(_AddedLater):
 
 def load(path: str | Path) -> CheckpointState:
     """Load a checkpoint safely; a file that is not a labrun checkpoint raises CheckpointError."""
+    state = read_torch_file(path)
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{path}: not a labrun checkpoint (no 'model' entry)")
+    return state  # type: ignore[return-value]  # a labrun checkpoint: the keys above
+
+
+def read_torch_file(path: str | Path) -> Any:
+    """What a file of torch.save holds, unpickled with weights_only=True (tensors and plain
+    containers, nothing that could run code); anything else raises CheckpointError."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except Exception as error:
@@ -96,9 +105,6 @@ def load(path: str | Path) -> CheckpointState:
         elif reason.isdigit():  # what torch says of a file that is no pickle at all
             reason = "not a PyTorch checkpoint file"
         raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from error
-    if not isinstance(state, dict) or "model" not in state:
-        raise CheckpointError(f"{path}: not a labrun checkpoint (no 'model' entry)")
-    return state  # type: ignore[return-value]  # a labrun checkpoint: the keys above
 
 
 def save_weights_only(path: str | Path, model: dict[str, torch.Tensor], *,

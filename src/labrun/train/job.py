@@ -31,7 +31,7 @@ from labrun.runs import provenance
 from labrun.runs.rundir import RunDir
 from labrun.track import console, metrics_endpoint
 from labrun.track import loggers as tracking
-from labrun.train import distributed
+from labrun.train import distributed, initial_weights
 from labrun.train.checkpoint import CheckpointManager
 from labrun.train.checkpoint import load as load_checkpoint
 from labrun.train.trainer import Trainer
@@ -109,8 +109,10 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     dataset = data.build(cfg.dataset)
     task = instantiate(cfg.task)  # what a batch is, the model it needs, its loss and metrics
     model = task.build_model(cfg.model, dataset.info)
-    if cfg.model.init_from:
-        load_weights(model, cfg.model.init_from)
+    start = initial_weights.source(cfg)  # model.pretrained or model.init_from
+    if start is not None:
+        initial_weights.load(model, cfg.model, start,
+                             len(dataset.info.get("class_names") or []) or None)
 
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.monitor,
                                     cfg.checkpoint.mode, cfg.checkpoint.keep_last)
@@ -123,7 +125,8 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     recorded = {}
     if dist.is_main:
         recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR,
-                                    *started_by())
+                                    *started_by(),
+                                    weights=start.record() if start is not None else None)
     trainer = Trainer(cfg, dataset, model, folder=folder, checkpoints=checkpoints, dist=dist,
                       task=task)
     monitoring = start_monitoring(cfg, dist, folder, trainer, launch)
@@ -216,21 +219,6 @@ def seed_everything(seed: int, deterministic: bool, device: torch.device) -> Non
         torch.backends.cudnn.benchmark = True  # fixed input sizes: pick the fastest kernels
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-
-
-def load_weights(model: torch.nn.Module, path: str) -> None:
-    """model.init_from: take every tensor whose name and shape match (a new head is skipped)."""
-    weights = load_checkpoint(path)["model"]
-    own = model.state_dict()
-    usable = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
-    if not usable:
-        raise ConfigError(f"model.init_from={path}: no weight matches this model's layers; "
-                          f"is it a checkpoint of the same architecture?")
-    model.load_state_dict(usable, strict=False)
-    skipped = sorted(set(own) - set(usable))
-    if skipped:
-        log.info(f"model.init_from: {len(usable)} tensors loaded, {len(skipped)} left as "
-                 f"initialised ({', '.join(skipped[:4])}{'...' if len(skipped) > 4 else ''})")
 
 
 def find_resume_state(cfg: DictConfig, checkpoints: CheckpointManager) -> dict[str, Any] | None:

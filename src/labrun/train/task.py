@@ -85,6 +85,17 @@ class Classification:
 
         return models.build(model_cfg, len(info["class_names"]))
 
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """Refuse, before any data loads, fine-tuning keys that cannot work (starting weights
+        missing or of another model, patterns that match no parameter): train/fine_tuning.py.
+        The class count does not change a parameter's name, nor a tensor outside the head."""
+        from labrun.train import fine_tuning
+
+        placeholder = {"class_names": ["a", "b"]}
+        fine_tuning.check(cfg, lambda: cls().build_model(cfg.model, placeholder),
+                          len(placeholder["class_names"]))
+
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:
         import torch
@@ -179,6 +190,7 @@ class LanguageModelling:
         checkpoint of another tokenizer or other sizes (whose tensors would be left out)."""
         from labrun.core.errors import ConfigError, DataError
         from labrun.data import tokens
+        from labrun.train import fine_tuning
 
         try:
             declared = tokens.declared(cfg.dataset)
@@ -198,11 +210,13 @@ class LanguageModelling:
                               f"set model.vocab_size={vocab} (or more), or null")
         if cfg.model.get("init_from"):
             cls._check_init_from(cfg, declared)
+        # The model this run would build, against the starting weights (a tensor of another
+        # vocabulary, window or size would not load) and the fine-tuning patterns.
+        sizes = {"vocab_size": vocab, "block_size": window}
+        fine_tuning.check(cfg, lambda: cls().build_model(cfg.model, sizes), None)
 
     @classmethod
     def _check_init_from(cls, cfg: DictConfig, declared: dict[str, Any]) -> None:
-        import torch
-
         from labrun.core.errors import ConfigError
         from labrun.train.checkpoint import CheckpointError
         from labrun.train.checkpoint import load as load_checkpoint
@@ -210,8 +224,8 @@ class LanguageModelling:
         path = cfg.model.init_from
         try:
             state = load_checkpoint(path)
-        except CheckpointError as error:
-            raise ConfigError(f"model.init_from={error}") from None
+        except CheckpointError:
+            return  # not a labrun checkpoint: a state dict has no tokenizer to compare
         theirs, ours = state.get("tokenizer") or {}, declared["tokenizer"]
         if theirs and (theirs.get("kind"), theirs.get("sha256")) != (ours.get("kind"),
                                                                      ours.get("sha256")):
@@ -219,19 +233,6 @@ class LanguageModelling:
                 f"model.init_from={path} was trained with another tokenizer "
                 f"({_tokenizer_name(theirs)}) than the token folder's ({_tokenizer_name(ours)})"
                 f": its token ids mean other text; convert the text with its tokenizer")
-        # The model this run would build, on the meta device (no memory, no init), against the
-        # checkpoint's tensors: a tensor of another shape would be left as initialised.
-        with torch.device("meta"):
-            model = cls().build_model(cfg.model, {"vocab_size": declared["vocab_size"],
-                                                  "block_size": cfg.dataset.block_size})
-        own = model.state_dict()
-        for name, tensor in state["model"].items():
-            if name in own and own[name].shape != tensor.shape:
-                raise ConfigError(
-                    f"model.init_from={path}: its {name} is {list(tensor.shape)} there, "
-                    f"{list(own[name].shape)} here (another vocabulary, window or size); set "
-                    f"the model's keys to the checkpoint's (model.block_size, model.vocab_size, "
-                    f"model.n_embd...)")
 
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:

@@ -21,6 +21,7 @@ loss and metrics (the `task` config group) and the callbacks (the `callbacks` gr
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -39,13 +40,15 @@ from labrun.track.loggers import NoTracker, Tracker
 from labrun.track.metrics_endpoint import GpuPoller, TrainingStats
 from labrun.train import callbacks as callback_registry
 from labrun.train import checkpoint as ckpt
-from labrun.train import run_state
+from labrun.train import fine_tuning, initial_weights, run_state
 from labrun.train.checkpoint import CheckpointManager
 from labrun.train.distributed import Distributed, all_reduce_sum
 from labrun.train.nonfinite import NonFiniteWatch
 from labrun.train.precision import Precision
 from labrun.train.progress import ProgressReporter, StepWindow
 from labrun.train.stop_signals import StopSignals
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(LabrunError):
@@ -75,6 +78,12 @@ class Trainer:
         self.model = model.to(self.device)
         self.memory_format = torch.channels_last if trainer.channels_last else torch.contiguous_format
         self.model = self.model.to(memory_format=self.memory_format)
+        # Before DDP wraps it: DDP reduces the gradients of the parameters that train only.
+        frozen = fine_tuning.freeze(self.model, cfg.model.get("freeze") or [])
+        if frozen:
+            log.info(f"model.freeze: {len(frozen)} parameters frozen ({frozen[0]} ... "
+                     f"{frozen[-1]})")
+        self.frozen_norms = fine_tuning.frozen_norms(self.model)
         self.net: nn.Module = self.model
         if dist.enabled:
             self.net = DistributedDataParallel(
@@ -83,7 +92,10 @@ class Trainer:
         if trainer.compile:
             self.net = torch.compile(self.net)
 
-        self.optimizer = instantiate(cfg.optimizer)(self.model.parameters())
+        num_classes = len(data.info.get("class_names") or []) or None
+        self.optimizer = instantiate(fine_tuning.optimizer_factory(cfg.optimizer))(
+            fine_tuning.parameters(self.model, cfg.optimizer, lambda: initial_weights.head_keys(
+                cfg.model, self.model, num_classes)))
         self.train_loader = self._train_loader()
         self.steps_per_epoch = self.train_loader.sampler.steps_per_epoch()
         if trainer.limit_train_batches:
@@ -177,7 +189,7 @@ class Trainer:
     def train_epoch(self) -> bool:
         """Train from the epoch's position on, to its end, the budget's, or a stop asked for at
         a validation; True when the epoch's steps are done."""
-        self.net.train()
+        self.train_mode()
         sampler = self.train_loader.sampler
         sampler.set_epoch(self.epoch, start=self.position)
         batches = iter(self.train_loader)
@@ -220,7 +232,7 @@ class Trainer:
                 self.validate()
                 if self.stop_reason is not None:  # a callback stopped the run at it
                     break
-                self.net.train()
+                self.train_mode()
                 window.start += time.perf_counter() - started  # not training time
             elif every_n and self.step % every_n == 0 and done < self.steps_per_epoch:
                 self.save_checkpoint()
@@ -264,6 +276,11 @@ class Trainer:
         window.loss += step_loss
         # Steps and images counted together: a scrape never sees one without the other.
         self.stats.count_step(self.per_rank_batch * self.dist.world_size, time.time())
+
+    def train_mode(self) -> None:
+        self.net.train()
+        for norm in self.frozen_norms:  # frozen layers keep their running statistics
+            norm.eval()
 
     @torch.inference_mode()
     def evaluate(self, split: str) -> dict[str, float]:
