@@ -134,7 +134,11 @@ def test_renamed_key_an_experiment_overrides_no_longer_composes(repo):
     error = next(e.error for e in found.experiments if e.name == "lr_sweep")
     assert "momentum" in error, error
     assert table["defaults"] == ("unchanged", [])
-    assert found.summary() == f"0 of {N} experiments change results; 2 no longer compose"
+    # A preset on SGD that does not set momentum composes, with the renamed key.
+    assert table["experiment=finetune_resnet18"] == ("changes results", [
+        ("optimizer.beta", None, 0.9, True, False),
+        ("optimizer.momentum", 0.9, None, True, True)])
+    assert found.summary() == f"1 of {N} experiments change results; 2 no longer compose"
     assert found.exit_code == 1
     # The override list's credential-looking value never reaches the output.
     assert "hunter2" not in found.to_json() and "+api_token=<redacted>" in found.to_json()

@@ -56,7 +56,12 @@ def test_check_names_file_and_key_of_each_planted_mistake(tmp_path, capsys):
         assert any(line.startswith(start) and part in line for line in lines), \
             f"no line {start} ... {part}:\n" + "\n".join(lines)
     assert len(lines) == len(expected) + 1, "\n".join(lines)  # one line per problem, a count
-    assert lines[-1].startswith(f"configs check: {len(expected)} problem(s) in {len(expected) - 1} of")
+    # Five configs have a problem of their own (resnet18_cifar10 two), and every other preset
+    # on SGD has the misspelt momentum too (reported once, at sgd.yaml).
+    also_on_sgd = [p for p in (CONF / "experiment").glob("*.yaml") if p.stem != "resnet18_cifar10"
+                   and "override /optimizer: sgd" in p.read_text()]
+    assert lines[-1].startswith(f"configs check: {len(expected)} problem(s) in "
+                                f"{len(expected) - 1 + len(also_on_sgd)} of")
 
 
 @pytest.fixture(scope="module")

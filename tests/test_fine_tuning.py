@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, PROJECT, PYTHON, built_once, run_labrun, run_train
+from conftest import FAST, PROJECT, PYTHON, built_once, run_train
+from labrun import cli
+
+# Each test is a group of its own under xdist (conftest.py): what several tests read is built
+# once per session with built_once, whichever worker asks first.
+SPREAD_OVER_WORKERS = True
 
 TORCHVISION_FILE = "hub/checkpoints/resnet18-f37072fd.pth"  # torchvision's own name for it
 TIMM_REPO = "timm/test_resnet.r160_in1k"  # timm's tiny test model: its default weights
@@ -94,17 +99,20 @@ def optimizer_groups(checkpoint: Path) -> list[dict]:
     return torch.load(checkpoint, weights_only=True)["optimizer"]["param_groups"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def preset_run(weights_cache, tmp_path_factory) -> tuple[Path, str]:
     """experiment=finetune_resnet18 on a 3-class image folder, with the early layers frozen."""
-    base = tmp_path_factory.mktemp("finetune")
-    write_image_folder(base / "images")
-    result = run_train("experiment=finetune_resnet18", f"dataset.root={base / 'images'}",
-                       f"paths.weights_cache={weights_cache}", "dataset.image_size=32",
-                       "trainer.batch_size=8", "trainer.max_epochs=null", "trainer.max_steps=3",
-                       "schedule.warmup_epochs=0", f"model.freeze=[{','.join(FROZEN)}]",
-                       run_dir=base / "run")
-    return base / "run", result.stdout + result.stderr
+    def build(base: Path) -> None:
+        write_image_folder(base / "images")
+        result = run_train("experiment=finetune_resnet18", f"dataset.root={base / 'images'}",
+                           f"paths.weights_cache={weights_cache}", "dataset.image_size=32",
+                           "trainer.batch_size=8", "trainer.max_epochs=null",
+                           "trainer.max_steps=3", "schedule.warmup_epochs=0",
+                           f"model.freeze=[{','.join(FROZEN)}]", run_dir=base / "run")
+        (base / "output.txt").write_text(result.stdout + result.stderr)
+
+    base = built_once(tmp_path_factory, "finetune_preset", build)
+    return base / "run", (base / "output.txt").read_text()
 
 
 def test_the_preset_starts_from_the_cached_file_with_a_new_head_and_frozen_layers_unchanged(
@@ -139,9 +147,10 @@ def test_the_preset_starts_from_the_cached_file_with_a_new_head_and_frozen_layer
         (weights_cache / TORCHVISION_FILE).read_bytes()).hexdigest()
 
 
-def test_compare_names_each_runs_starting_weights(preset_run):
+def test_compare_names_each_runs_starting_weights(preset_run, capsys):
     run_dir, _ = preset_run
-    table = run_labrun("compare", str(run_dir)).stdout
+    assert cli.main(["compare", str(run_dir)]) == 0
+    table = capsys.readouterr().out
     assert "torchvision:ResNet18_Weights.IMAGENET1K_V1" in table, table
     digest = json.loads((run_dir / "provenance" / "weights.json").read_text())["sha256"]
     assert digest[:12] in table
@@ -228,21 +237,25 @@ REFUSALS = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def refusal_files(tmp_path_factory) -> dict[str, Path]:
     import torchvision
 
     from labrun.models import SimpleCNN
 
-    folder = tmp_path_factory.mktemp("refusal-files")
-    files = {"resnet34": folder / "resnet34.pth", "simple32": folder / "simple32.pt",
-             "not_weights": folder / "list.pt", "file": folder / "simple32.pt"}
-    with torch.device("meta"):
-        shapes = torchvision.models.resnet34(weights=None).state_dict()
-    torch.save({k: torch.zeros(v.shape) for k, v in shapes.items()}, files["resnet34"])
-    torch.save(SimpleCNN(10, width=32).state_dict(), files["simple32"])
-    torch.save([1, 2, 3], files["not_weights"])
-    return files
+    names = {"resnet34": "resnet34.pth", "simple32": "simple32.pt", "not_weights": "list.pt",
+             "file": "simple32.pt"}
+
+    def build(folder: Path) -> None:
+        with torch.device("meta"):
+            shapes = torchvision.models.resnet34(weights=None).state_dict()
+        torch.save({k: torch.zeros(v.shape) for k, v in shapes.items()},
+                   folder / names["resnet34"])
+        torch.save(SimpleCNN(10, width=32).state_dict(), folder / names["simple32"])
+        torch.save([1, 2, 3], folder / names["not_weights"])
+
+    folder = built_once(tmp_path_factory, "refusal_files", build)
+    return {key: folder / name for key, name in names.items()}
 
 
 @pytest.mark.parametrize("refusal", REFUSALS, ids=list(REFUSALS))
@@ -308,8 +321,9 @@ def test_init_from_takes_each_kind_of_file_and_swaps_the_head(kind, digits_run, 
     assert record["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
 
 
-def test_weights_list_shows_both_layouts_with_sizes_and_hashes(weights_cache):
-    listed = run_labrun("weights", "list", f"paths.weights_cache={weights_cache}").stdout
+def test_weights_list_shows_both_layouts_with_sizes_and_hashes(weights_cache, capsys):
+    assert cli.main(["weights", "list", f"paths.weights_cache={weights_cache}"]) == 0
+    listed = capsys.readouterr().out
     torchvision_file = weights_cache / TORCHVISION_FILE
     assert "resnet18-f37072fd.pth" in listed and f"{TIMM_REPO}/model.safetensors" in listed
     assert hashlib.sha256(torchvision_file.read_bytes()).hexdigest() in listed.replace("\n", "")
@@ -358,14 +372,14 @@ def test_weights_fetch_without_a_network_is_one_line(model, tmp_path):
     assert left == []  # nothing half-downloaded where a run would find it
 
 
-def test_weights_fetch_verifies_a_cached_file_against_what_was_published(weights_cache):
+def test_weights_fetch_verifies_a_cached_file_against_what_was_published(weights_cache,
+                                                                          capsys):
     # The torchvision file here holds seeded tensors, not the published ones: its sha256 cannot
     # start with the published prefix. The Hugging Face blob is named by its own sha256.
-    wrong = run_labrun("weights", "fetch", "model=resnet18", f"paths.weights_cache={weights_cache}",
-                       check=False)
-    assert wrong.returncode == 2
-    assert "does not match the published f37072fd" in wrong.stderr
-    right = run_labrun("weights", "fetch", "model=timm", "model.name=test_resnet",
-                       f"paths.weights_cache={weights_cache}")
-    assert "timm:test_resnet.r160_in1k: already at" in right.stdout
-    assert "matches what was published" in right.stdout
+    cache = f"paths.weights_cache={weights_cache}"
+    assert cli.main(["weights", "fetch", "model=resnet18", cache]) == 2
+    assert "does not match the published f37072fd" in capsys.readouterr().err
+    assert cli.main(["weights", "fetch", "model=timm", "model.name=test_resnet", cache]) == 0
+    right = capsys.readouterr().out
+    assert "timm:test_resnet.r160_in1k: already at" in right
+    assert "matches what was published" in right
