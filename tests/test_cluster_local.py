@@ -175,6 +175,7 @@ def test_an_interrupted_optuna_search_continues_its_study(tmp_path):
     assert not (tmp_path / "optuna.db").exists()
     storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
     study = optuna.load_study(study_name="train", storage=storage)
+    assert study.metric_names == ["val/acc"]  # the objective's name in optuna-dashboard
     states = [t.state for t in study.trials]
     assert states.count(optuna.trial.TrialState.COMPLETE) == 3
     assert study.trials[2].state == optuna.trial.TrialState.FAIL  # the one cut off...

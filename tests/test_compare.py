@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -172,3 +173,73 @@ def csv_rows(sweep: Path) -> list[dict[str, str]]:
     out = sweep.parent / "for_dashboard.csv"
     run_labrun("compare", str(sweep), "--csv", str(out))
     return read_csv(out)
+
+
+def relabelled(source: Path, target: Path, overrides: list[str]) -> None:
+    """A copy of a real run folder whose command line said `overrides`: the runs of a grid."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("checkpoints"))
+    (target / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+
+
+def test_over_seed_folds_the_seeds_into_mean_std_min_max_and_n(sweep, planted, digits_run,
+                                                               tmp_path, capsys):
+    """Two configurations of three seeds: lr=0.1 from the three real sweep runs, lr=0.2 from
+    the real digits run, a failed run and a running one (1 of 3 completed)."""
+    import statistics
+
+    from labrun import cli
+
+    grid = tmp_path / "grid"
+    for seed, job in enumerate(("0", "1", "2")):
+        relabelled(sweep / job, grid / f"a{seed}", ["optimizer.lr=0.1", f"seed={seed}"])
+    for seed, source in enumerate((digits_run, planted / "failed", planted / "running")):
+        relabelled(source, grid / f"b{seed}", ["optimizer.lr=0.2", f"seed={seed}"])
+    out, markdown = tmp_path / "table.csv", tmp_path / "table.md"
+    assert cli.main(["compare", str(grid), "--over", "seed", "--csv", str(out),
+                     "--markdown", str(markdown), "--plot", str(tmp_path / "p.png")]) == 0
+
+    def best_and_final(run_dir: Path) -> tuple[float, float]:
+        values = [row["val/acc"] for row in read_metrics_rows(run_dir) if "val/acc" in row]
+        return max(values), values[-1]
+
+    rows = {row["optimizer.lr"]: row for row in read_csv(out)}
+    assert sorted(rows) == ["0.1", "0.2"]  # one row per learning rate, the seeds folded away
+    for lr, runs, count in (("0.1", [sweep / j for j in "012"], "3"),
+                            ("0.2", [digits_run], "1 of 3")):
+        row = rows[lr]
+        assert row["n"] == count
+        best = [best_and_final(r)[0] for r in runs]
+        final = [best_and_final(r)[1] for r in runs]
+        assert float(row["best val/acc mean"]) == pytest.approx(statistics.fmean(best))
+        assert float(row["final val/acc mean"]) == pytest.approx(statistics.fmean(final))
+        assert float(row["best val/acc min"]) == min(best)
+        assert float(row["best val/acc max"]) == max(best)
+        assert int(row["best val/acc n"]) == len(runs)
+        if len(runs) > 1:  # the sample standard deviation (n-1)
+            assert float(row["best val/acc std"]) == pytest.approx(statistics.stdev(best))
+        else:
+            assert row["best val/acc std"] == ""  # none for one run
+    means = [float(row["best val/acc mean"]) for row in read_csv(out)]
+    assert means == sorted(means, reverse=True)  # best mean first (val/acc: max)
+    # Every validation metric, best and final, beside the ranked one.
+    assert {"best val/loss mean", "final val/acc5 mean"} <= set(rows["0.1"])
+    table = markdown.read_text()
+    assert "| optimizer.lr | n | best val/acc |" in table
+    spread = statistics.stdev([best_and_final(sweep / j)[0] for j in "012"])
+    digits = max(0, 1 - math.floor(math.log10(spread)))
+    mean = statistics.fmean([best_and_final(sweep / j)[0] for j in "012"])
+    assert f"| {mean:.{digits}f} ± {spread:.{digits}f} |" in table
+    assert Image.open(tmp_path / "p.png").size[0] > 0
+
+
+def test_over_a_key_no_run_sets_is_one_line(sweep, capsys):
+    from labrun import cli
+
+    assert cli.main(["compare", str(sweep), "--over", "seed"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --over seed: no run sets it; the keys that vary between these runs: "
+        "optimizer.lr")
+
+
+def read_metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

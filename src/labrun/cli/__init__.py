@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("labrun.cli.dashboard", "a sweep's results in a browser, no W&B account: "
                   "optuna-dashboard or TensorBoard HParams"),
     "configs": ("labrun.cli.configs", "check or diff configs for review"),
+    "eval": ("labrun.cli.eval", "evaluate a run's checkpoint on any split, of its dataset or "
+             "another: RUN/eval/*.json"),
     "export": ("labrun.cli.export", "export a run's model to TorchScript or ONNX"),
     "serve": ("labrun.cli.serve", "serve an exported model over HTTP"),
     "predict": ("labrun.cli.predict", "predict images offline with an exported model"),
@@ -88,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         module.configure(parser, name)
     else:
         module.configure(parser)
-    args = parser.parse_args(rest)
+    # A command whose overrides may come after its options (`labrun eval RUN --split test
+    # dataset=x`) says so: argparse takes positionals after an option only when intermixed.
+    intermixed = getattr(module, "INTERMIXED", False)
+    args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
     args.command = name
     try:
         return int(module.run(args) or 0)

@@ -17,13 +17,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV")
     parser.add_argument("--markdown", type=Path, metavar="FILE",
                         help="write the table as Markdown (for a pull request)")
+    parser.add_argument("--over", metavar="KEYS", type=lambda text: text.split(","),
+                        help="fold these keys away (seed; several: seed,dataset.fold): one row "
+                             "per configuration of the others, mean ± std, min, max and n")
     parser.add_argument("--plot", type=Path, metavar="FILE.png",
                         help="learning curves (and metric vs the swept parameter) as a PNG")
 
 
 def run(args: argparse.Namespace) -> int:
-    from labrun.runs import compare
+    from labrun.runs import aggregate, compare
 
-    compare.compare(args.paths, metric=args.metric, mode=args.mode, csv_file=args.csv,
-                    markdown=args.markdown, plot_file=args.plot)
+    if args.over:
+        aggregate.compare_over(args.paths, args.over, metric=args.metric, mode=args.mode,
+                               csv_file=args.csv, markdown=args.markdown, plot_file=args.plot)
+    else:
+        compare.compare(args.paths, metric=args.metric, mode=args.mode, csv_file=args.csv,
+                        markdown=args.markdown, plot_file=args.plot)
     return 0

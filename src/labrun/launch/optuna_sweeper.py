@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +102,9 @@ class OptunaSweeper(Sweeper):
             list(arguments))
         # Before the study asks for a trial: the launcher's plan refuses a monitor no trial
         # reports too, but only once the journal holds a trial left running.
-        validation.check_checkpoint_monitor(
-            self.hydra_context.config_loader.load_sweep_config(self.config, list(fixed)))
+        first_trial = self.hydra_context.config_loader.load_sweep_config(self.config,
+                                                                         list(fixed))
+        validation.check_checkpoint_monitor(first_trial)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         storage_spec = self._storage_spec(sweep_dir)
@@ -123,6 +125,10 @@ class OptunaSweeper(Sweeper):
                                     sampler=self.sampler, direction=self.direction,
                                     load_if_exists=True)
         self._check_direction(study, storage_spec)
+        if study.metric_names is None:  # optuna-dashboard's plots say val/acc, not Objective 0
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names([str(first_trial.checkpoint.monitor)])
         pruner_cfg = OmegaConf.to_container(self.config.hydra.sweeper.pruner, resolve=True) \
             if self.pruner is not None else None
         study.set_user_attr(PRUNER_ATTR, pruner_cfg)  # what the trials judge with

@@ -145,6 +145,8 @@ def load_run(path: Path) -> Run:
         run.monitor = checkpoint.get("monitor") or run.monitor
         run.mode = checkpoint.get("mode")
     run.seconds = wall_time(run, folder.config_path)
+    for stem, metrics in folder.read_evals().items():  # `labrun eval`'s results
+        run.summary.update({f"eval/{stem}/{name}": value for name, value in metrics.items()})
     started = provenance.read_weights(folder.provenance_dir)
     if started:
         run.weights = f"{started.get('source')} sha256:{str(started.get('sha256'))[:12]}"

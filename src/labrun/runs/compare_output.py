@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from rich.table import Table
 from labrun.runs.rundir import is_metric_value
 
 if TYPE_CHECKING:  # compare imports this module; the types alone come back
+    from labrun.runs.aggregate import Aggregate
     from labrun.runs.compare import Comparison, Run
 
 STATUS_STYLE = {"completed": "green", "pruned": "blue", "failed": "red", "running": "yellow",
@@ -39,9 +41,19 @@ def table(runs: list[Run], keys: list[str], metric: str) -> tuple[list[str], lis
     return columns, rows
 
 
+def aggregate_table(agg: Aggregate) -> tuple[list[str], list[list[Any]]]:
+    """One row per configuration of the keys not folded away: n, then each metric's Stats."""
+    columns = [*agg.keys, "n", *agg.columns]
+    rows = [[*group.values.values(), group.count, *(group.stats[c] for c in agg.columns)]
+            for group in agg.groups]
+    return columns, rows
+
+
 def fmt(value: Any, column: str) -> str:
     if value is None:
         return "-"
+    if hasattr(value, "text"):  # aggregate.Stats: mean ± std
+        return value.text()
     if column == "time":
         return duration(value)
     if isinstance(value, float):
@@ -60,7 +72,7 @@ def duration(seconds: float) -> str:
 
 def is_numeric(column: str) -> bool:
     """Columns of numbers, right-aligned in the table and the Markdown."""
-    return column.startswith(("best ", "final ")) or column in ("epochs", "time")
+    return column.startswith(("best ", "final ")) or column in ("epochs", "time", "n")
 
 
 def print_table(title: str, columns: list[str], rows: list[list[Any]], runs: list[Run]) -> None:
@@ -68,11 +80,12 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]], runs: lis
     for column in columns:
         view.add_column(column, justify="right" if is_numeric(column) else "left",
                         overflow="fold")
-    status_at = columns.index("status")
+    status_at = columns.index("status") if "status" in columns else None  # none: aggregated
     for row in rows:
         cells = [escape(fmt(value, column)) for value, column in zip(row, columns, strict=True)]
-        style = STATUS_STYLE.get(row[status_at], "dim")
-        cells[status_at] = f"[{style}]{cells[status_at]}[/]"
+        if status_at is not None:
+            style = STATUS_STYLE.get(row[status_at], "dim")
+            cells[status_at] = f"[{style}]{cells[status_at]}[/]"
         view.add_row(*cells)
     console = Console()
     if not console.is_terminal:
@@ -85,12 +98,27 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]], runs: lis
 
 
 def write_csv(path: Path, columns: list[str], rows: list[list[Any]]) -> None:
-    """Numbers stay numbers (full precision; time in seconds) for spreadsheets and pandas."""
-    header = ["time_s" if column == "time" else column for column in columns]
+    """Numbers stay numbers (full precision; time in seconds) for spreadsheets and pandas; an
+    aggregated metric is five columns: mean, std, min, max, n."""
+    stats = {i for i, value in enumerate(rows[0] if rows else []) if hasattr(value, "text")}
+    header = []
+    for i, column in enumerate(columns):
+        names = [f"{column} {part}" for part in STATS_PARTS] if i in stats else [column]
+        header += ["time_s" if column == "time" else name for name in names]
+
+    def cells(row: list[Any]) -> list[Any]:
+        out = []
+        for i, value in enumerate(row):
+            out += [getattr(value, part) for part in STATS_PARTS] if i in stats else [value]
+        return ["" if value is None else value for value in out]
+
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
-        writer.writerows([["" if value is None else value for value in row] for row in rows])
+        writer.writerows([cells(row) for row in rows])
+
+
+STATS_PARTS = ("mean", "std", "min", "max", "n")
 
 
 def write_markdown(path: Path, title: str, columns: list[str], rows: list[list[Any]]) -> None:
@@ -154,6 +182,40 @@ def figure(ranked: Comparison, importances: dict[str, float] | None) -> tuple[An
         drawn.append("parameter importances")
     fig.tight_layout()
     return fig, "; ".join(drawn)
+
+
+def plot_aggregate(path: Path, agg: Aggregate) -> str:
+    """The ranked metric's mean curve per row, with a band of one standard deviation, at the
+    steps every completed run of the row logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    short = short_names(agg.keys)
+    for group in agg.groups[:LABELLED]:
+        curves = [dict(_points(one, agg.metric)) for one in group.completed]
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if not steps:
+            continue
+        values = [[curve[step] for curve in curves] for step in steps]
+        means = [sum(v) / len(v) for v in values]
+        spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+        name = " ".join(f"{short[k]}={_value(v)}" for k, v in group.values.items()) or "all"
+        line, = ax.plot(steps, means, marker="o", markersize=3,
+                        label=f"{name} (n={len(curves)})")
+        ax.fill_between(steps, [m - s for m, s in zip(means, spread, strict=True)],
+                        [m + s for m, s in zip(means, spread, strict=True)],
+                        color=line.get_color(), alpha=0.2)
+    ax.set(xlabel="step", ylabel=agg.metric,
+           title=f"{agg.metric}: mean ± std over {', '.join(agg.over)}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return f"mean curves with a band of one std, over {', '.join(agg.over)}"
 
 
 def _plot_curves(ax, ranked: Comparison, parameters: list[str]) -> str:

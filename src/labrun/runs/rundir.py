@@ -11,6 +11,8 @@
       checkpoints/            step-NNNNNNNN.pt, last.pt, best.pt (train.checkpoint owns them)
       provenance/             code and environment (runs.provenance owns it)
       export/                 `labrun export`'s default output (deploy.export)
+      eval/DATASET-SPLIT-CHECKPOINT.json   `labrun eval`'s results: checkpoint, dataset,
+                              split, metrics (never in metrics.jsonl or summary.json)
       errors/rank-N.txt       how a rank other than 0 failed
       ranks/rank-N.json       which process each rank was and the steps it took
       monitor/node-N.json     where node N's Prometheus endpoint listens (track.metrics_endpoint)
@@ -134,6 +136,30 @@ class RunDir:
     def export_dir(self) -> Path:
         """Where `labrun export RUN_DIR` writes the exported model by default."""
         return self.path / "export"
+
+    @property
+    def eval_dir(self) -> Path:
+        """`labrun eval`'s results: eval/<dataset>-<split>-<checkpoint>.json."""
+        return self.path / "eval"
+
+    def eval_path(self, dataset: str, split: str, checkpoint: str) -> Path:
+        return self.eval_dir / f"{dataset}-{split}-{checkpoint}.json"
+
+    def write_eval(self, path: Path, record: dict[str, Any]) -> None:
+        """One evaluation's record, written whole or not at all; metrics.jsonl and
+        summary.json stay the training's."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, record)
+
+    def read_evals(self) -> dict[str, dict[str, float]]:
+        """Each eval file's metrics by its stem: {"synthetic-test-best": {"test/acc": ...}}."""
+        found = {}
+        for path in sorted(self.eval_dir.glob("*.json")) if self.eval_dir.is_dir() else []:
+            try:
+                found[path.stem] = dict(json.loads(path.read_text())["metrics"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # half-copied or foreign: not a result
+        return found
 
     def checkpoint_path(self, which: str) -> Path:
         """checkpoints/<which>.pt: "best", "last" or a step file's stem."""

@@ -282,20 +282,10 @@ class Trainer:
         for norm in self.frozen_norms:  # frozen layers keep their running statistics
             norm.eval()
 
-    @torch.inference_mode()
     def evaluate(self, split: str) -> dict[str, float]:
-        self.model.eval()
-        loader = self._eval_loader(split)
-        limit = self.cfg.trainer.limit_val_batches
-        sums = torch.zeros(self.task.num_sums, dtype=torch.float64)
-        for index, batch in enumerate(loader):
-            if limit and index >= limit:
-                break
-            batch = self.task.prepare(batch, self.device)
-            with self.autocast():
-                batch_sums = self.task.eval_sums(self.model, batch)
-            sums = sums + batch_sums.cpu().double()
-        sums = all_reduce_sum(sums.to(self.device) if self.dist.enabled else sums).cpu()
+        sums = evaluation_sums(self.model, self.task, self._eval_loader(split), self.device,
+                               self.autocast, self.cfg.trainer.limit_val_batches,
+                               self.dist.enabled)
         return self.task.eval_metrics(sums, split)
 
     def validate(self) -> None:
@@ -464,3 +454,21 @@ class Trainer:
         self.check_finite()  # on every rank: a checkpoint of non-finite weights is never written
         if self.dist.is_main:
             self.checkpoints.save(run_state.capture(self), self.step, is_best=is_best)
+
+
+@torch.inference_mode()
+def evaluation_sums(model: nn.Module, task: Any, loader: Any, device: torch.device, autocast,
+                    limit: int | None = None, distributed: bool = False) -> torch.Tensor:
+    """The task's eval_sums over a split's batches (the first `limit`), added up in float64
+    and across ranks: what task.eval_metrics turns into SPLIT/NAME values. The Trainer's
+    validation and test, and `labrun eval` (train/evaluate.py)."""
+    model.eval()
+    sums = torch.zeros(task.num_sums, dtype=torch.float64)
+    for index, batch in enumerate(loader):
+        if limit and index >= limit:
+            break
+        batch = task.prepare(batch, device)
+        with autocast():
+            batch_sums = task.eval_sums(model, batch)
+        sums = sums + batch_sums.cpu().double()
+    return all_reduce_sum(sums.to(device) if distributed else sums).cpu()
