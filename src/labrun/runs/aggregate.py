@@ -16,7 +16,15 @@ from pathlib import Path
 
 from labrun.core.errors import LabrunError
 from labrun.runs import compare_output as output
-from labrun.runs.compare import Comparison, Run, best_and_final, default_mode, known_metrics, rank
+from labrun.runs.compare import (
+    Comparison,
+    Run,
+    best_and_final,
+    default_mode,
+    known_metrics,
+    rank,
+    write_tables,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +39,7 @@ def compare_over(paths: list[Path], over: list[str], *, metric: str | None = Non
     title = (f"{len(ranked.runs)} run(s) in {len(rows)} row(s) over {', '.join(over)}: mean ± "
              f"std, sorted by the mean of best {ranked.metric} ({ranked.mode})")
     output.print_table(title, columns, rows, [])
-    if csv_file:
-        output.write_csv(csv_file, columns, rows)
-        log.info("wrote %s", csv_file)
-    if markdown:
-        output.write_markdown(markdown, title, columns, rows)
-        log.info("wrote %s", markdown)
+    write_tables(title, columns, rows, csv_file, markdown)
     if plot_file:
         log.info("wrote %s (%s)", plot_file, output.plot_aggregate(plot_file, folded))
     return folded

@@ -49,17 +49,23 @@ def compare(paths: list[Path], *, metric: str | None = None, mode: str | None = 
     columns, rows = output.table(runs, ranked.keys, metric)
     title = f"{len(runs)} run(s), sorted by best {metric} ({ranked.mode})"
     output.print_table(title, columns, rows, runs)
+    write_tables(title, columns, rows, csv_file, markdown)
+    if plot_file:
+        importances = study_importances(paths, ranked)
+        panels = output.plot(plot_file, ranked, importances)
+        log.info("wrote %s (%s)", plot_file, panels)
+    return runs
+
+
+def write_tables(title: str, columns: list[str], rows: list[list[Any]],
+                 csv_file: Path | None, markdown: Path | None) -> None:
+    """The table as the files asked for: CSV (numbers as numbers) and Markdown."""
     if csv_file:
         output.write_csv(csv_file, columns, rows)
         log.info("wrote %s", csv_file)
     if markdown:
         output.write_markdown(markdown, title, columns, rows)
         log.info("wrote %s", markdown)
-    if plot_file:
-        importances = study_importances(paths, ranked)
-        panels = output.plot(plot_file, ranked, importances)
-        log.info("wrote %s (%s)", plot_file, panels)
-    return runs
 
 
 def rank(paths: list[Path], metric: str | None = None, mode: str | None = None) -> Comparison:
