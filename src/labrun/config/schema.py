@@ -160,6 +160,11 @@ class ImageDatasetConfig:
     # nvJPEG's rounding): a result change, but a run may resume on a machine with another.
     decode: str = key("workers", resume_safe=True)
     val_fraction: float = 0.1  # held out of train when the data has no val split
+    # k-fold cross-validation of a dataset without a val split of its own: train on K-1 folds,
+    # validate on fold `fold` (data/image/sources.py, folds); val_fraction is then ignored.
+    num_folds: int | None = None
+    fold: int | None = None
+    split_seed: int = 0  # seeds the held-out val split and the folds (0: as always)
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     augment: AugmentConfig = key(factory=AugmentConfig)

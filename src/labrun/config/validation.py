@@ -82,6 +82,7 @@ def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
     fraction = cfg.dataset.get("val_fraction", 0.0)  # image datasets hold val out of train
     if not 0 <= fraction < 1:
         raise ConfigError(f"dataset.val_fraction={fraction} must be in [0, 1)")
+    check_folds(cfg.dataset)
     world_size = cfg.trainer.devices * cfg.trainer.num_nodes
     micro = cfg.trainer.micro_batch_size
     if micro != "auto":
@@ -120,6 +121,22 @@ def check_task(cfg: DictConfig) -> None:
     check = getattr(task, "check_config", None)
     if check is not None:
         check(cfg)
+
+
+def check_folds(dataset: DictConfig) -> None:
+    """dataset.num_folds and dataset.fold: both or neither, the fold one of the K."""
+    folds, fold = dataset.get("num_folds"), dataset.get("fold")
+    if folds is None and fold is None:
+        return
+    if folds is None:
+        raise ConfigError(f"dataset.fold={fold} needs dataset.num_folds (the K of k-fold "
+                          f"cross-validation): dataset.num_folds=5 dataset.fold={fold}")
+    if folds < 2:
+        raise ConfigError(f"dataset.num_folds={folds} must be 2 or more")
+    if fold is None or not 0 <= fold < folds:
+        raise ConfigError(f"dataset.fold={fold} must be one of 0..{folds - 1} "
+                          f"(dataset.num_folds={folds}); a sweep over every fold: "
+                          f"-m 'dataset.fold=range(0,{folds})'")
 
 
 def check_budget(trainer: DictConfig) -> None:

@@ -92,6 +92,7 @@ def build(cfg: DictConfig) -> Data:
     from labrun.data import image  # the image formats' loaders return their splits
 
     image.check_decode(cfg)  # before any data is read
+    image.check_folds(cfg)
     made = call_target(cfg)
     if isinstance(made, dict):
         return image.ImageData.build(made, cfg)

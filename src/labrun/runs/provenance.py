@@ -8,6 +8,8 @@
     command.json      the exact command line, working directory and Hydra overrides
     weights.json      where the starting weights came from (model.pretrained's library and
                       name, or model.init_from's file), the file loaded and its sha256
+    split.json        how an image dataset's val split was drawn: dataset.split_seed, and
+                      dataset.num_folds and dataset.fold for cross-validation
 
 Secrets never land here: command-line values of keys that look like credentials are redacted,
 and no environment variable is recorded except the scheduler's ids (SLURM's job, array and
@@ -34,6 +36,7 @@ from labrun.core.secrets import redact
 GIT, GIT_DIFF, PACKAGES = "git.json", "git.diff", "packages.txt"
 ENVIRONMENT, COMMAND = "environment.json", "command.json"
 WEIGHTS = "weights.json"  # the starting weights' source, file and sha256 (fine-tuning)
+SPLIT = "split.json"  # how the val split was drawn: split_seed, num_folds, fold
 # Set inside a cluster.container job by its task script or batch script (launch/container.py).
 CONTAINER_IMAGE_ENV, CONTAINER_DIGEST_ENV = "LABRUN_CONTAINER_IMAGE", "LABRUN_CONTAINER_DIGEST"
 
@@ -106,10 +109,12 @@ def environment() -> dict[str, Any]:
 
 
 def write(folder: Path, overrides: list[str], project_dir: Path, argv: list[str], cwd: str,
-          weights: dict[str, Any] | None = None) -> dict[str, Any]:
+          weights: dict[str, Any] | None = None, split: dict[str, Any] | None = None
+          ) -> dict[str, Any]:
     """Write provenance/ and return what W&B and the checkpoint also record; `argv` and
     `cwd`: the command that started the run, and where (`labrun rerun` runs it again);
-    `weights`: where its starting weights came from (source, file, sha256), if not random."""
+    `weights`: where its starting weights came from (source, file, sha256), if not random;
+    `split`: how its val split was drawn, where the dataset draws one."""
     folder.mkdir(parents=True, exist_ok=True)
     git = git_state(project_dir)
     (folder / GIT).write_text(json.dumps(git, indent=2) + "\n")
@@ -123,6 +128,8 @@ def write(folder: Path, overrides: list[str], project_dir: Path, argv: list[str]
     (folder / COMMAND).write_text(json.dumps(command, indent=2) + "\n")
     if weights is not None:
         (folder / WEIGHTS).write_text(json.dumps(weights, indent=2) + "\n")
+    if split is not None:
+        (folder / SPLIT).write_text(json.dumps(split, indent=2) + "\n")
     started = ({"weights": weights["source"], "weights_sha256": weights["sha256"]}
                if weights else {})
     return {**started,"git_commit": git["commit"], "git_dirty": git["dirty"], "host": env["hostname"],

@@ -126,7 +126,8 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     if dist.is_main:
         recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR,
                                     *started_by(),
-                                    weights=start.record() if start is not None else None)
+                                    weights=start.record() if start is not None else None,
+                                    split=split_record(cfg.dataset))
     trainer = Trainer(cfg, dataset, model, folder=folder, checkpoints=checkpoints, dist=dist,
                       task=task)
     monitoring = start_monitoring(cfg, dist, folder, trainer, launch)
@@ -219,6 +220,14 @@ def seed_everything(seed: int, deterministic: bool, device: torch.device) -> Non
         torch.backends.cudnn.benchmark = True  # fixed input sizes: pick the fastest kernels
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+def split_record(dataset: DictConfig) -> dict[str, Any] | None:
+    """provenance/split.json: how an image dataset's val split was drawn (None for a format
+    without these keys, such as token folders, whose files hold their splits)."""
+    if "split_seed" not in dataset:
+        return None
+    return {key: dataset.get(key) for key in ("split_seed", "num_folds", "fold", "val_fraction")}
 
 
 def find_resume_state(cfg: DictConfig, checkpoints: CheckpointManager) -> dict[str, Any] | None:

@@ -87,11 +87,14 @@ class Classification:
 
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
-        """Refuse, before any data loads, fine-tuning keys that cannot work (starting weights
-        missing or of another model, patterns that match no parameter): train/fine_tuning.py.
-        The class count does not change a parameter's name, nor a tensor outside the head."""
+        """Refuse, before any data loads, folds of a dataset with a val split of its own, and
+        fine-tuning keys that cannot work (starting weights missing or of another model,
+        patterns that match no parameter: train/fine_tuning.py). The class count does not
+        change a parameter's name, nor a tensor outside the head."""
+        from labrun.data.image import check_folds
         from labrun.train import fine_tuning
 
+        check_folds(cfg.dataset)  # a format with a val split of its own takes no folds
         placeholder = {"class_names": ["a", "b"]}
         fine_tuning.check(cfg, lambda: cls().build_model(cfg.model, placeholder),
                           len(placeholder["class_names"]))

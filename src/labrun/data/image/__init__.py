@@ -13,8 +13,10 @@ labrun.data.EpochSampler hands them out.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,11 +24,38 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
-from labrun.core.errors import DataError
+from labrun.core.errors import ConfigError, DataError
 from labrun.data import epoch_loader
 from labrun.data.image import batched
-from labrun.data.image.sources import ImageSource, hold_out
+from labrun.data.image.sources import ImageSource, folds, hold_out
 from labrun.data.image.transforms import TrainTransform, ValTransform
+
+log = logging.getLogger(__name__)
+
+
+# Formats whose files define a val split, which folds would contradict (refused before any
+# data is read); an image folder with val/ and an HDF5 file with a val group are told by looking.
+OWN_VAL_SPLIT = {"labrun.data.image.cifar.load": "CIFAR-10 holds its val split out itself",
+                 "labrun.data.image.synthetic.load": "it draws dataset.num_val images of its own"}
+
+
+def check_folds(cfg: DictConfig) -> None:
+    """dataset.num_folds on a format with a val split of its own: refused in one line."""
+    if not cfg.get("num_folds"):
+        return
+    target = cfg.get("_target_")
+    reason = OWN_VAL_SPLIT.get(target)
+    if target == "labrun.data.image.imagefolder.load" and (Path(cfg.root) / "val").is_dir():
+        reason = f"{Path(cfg.root) / 'val'} is its val split"
+    elif target == "labrun.data.image.hdf5.load" and Path(cfg.path).is_file():
+        from labrun.data.image import hdf5
+
+        if "val" in hdf5.read_index(cfg.path).splits:
+            reason = f"{cfg.path} holds a val group"
+    if reason:
+        raise ConfigError(f"dataset.num_folds={cfg.num_folds}: dataset {cfg.name} has a val "
+                          f"split of its own ({reason}); folds split data without one "
+                          f"(dataset=digits, an image folder without val/)")
 
 
 def check_decode(cfg: DictConfig) -> None:
@@ -45,12 +74,21 @@ class ImageData:
     def build(cls, splits: dict[str, ImageSource], cfg: DictConfig) -> ImageData:
         """The format's splits, with val held out of train where the format has none, each
         checked not empty."""
-        if "val" not in splits:
+        seed = cfg.get("split_seed", 0)
+        if cfg.get("num_folds") and "val" in splits:  # a lab's format: known only now
+            raise DataError(f"dataset.num_folds={cfg.num_folds}: {splits['val'].name} is a val "
+                            f"split of the format's own; folds split a dataset without one")
+        if cfg.get("num_folds"):
+            log.info(f"dataset.fold={cfg.fold} of {cfg.num_folds} is the val split "
+                     f"(dataset.val_fraction={cfg.val_fraction} is not used)")
+            splits["train"], splits["val"] = folds(splits["train"], cfg.num_folds, cfg.fold,
+                                                   seed)
+        elif "val" not in splits:
             if cfg.val_fraction <= 0:
                 raise DataError(f"{splits['train'].name} has no val split; set "
                                 f"dataset.val_fraction (for example 0.1) to hold out part of "
                                 f"train")
-            splits["train"], splits["val"] = hold_out(splits["train"], cfg.val_fraction)
+            splits["train"], splits["val"] = hold_out(splits["train"], cfg.val_fraction, seed)
         for split, source in splits.items():
             if len(source) == 0:
                 raise DataError(f"{source.name}: the {split} split is empty; add images to it")

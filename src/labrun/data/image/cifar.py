@@ -8,7 +8,8 @@ from labrun.core.errors import DataError
 from labrun.data.image.sources import ArraySource
 
 
-def load(root: str, download: bool, val_fraction: float) -> dict[str, ArraySource]:
+def load(root: str, download: bool, val_fraction: float, split_seed: int = 0
+         ) -> dict[str, ArraySource]:
     from torchvision.datasets import CIFAR10
 
     try:
@@ -18,7 +19,7 @@ def load(root: str, download: bool, val_fraction: float) -> dict[str, ArraySourc
         raise DataError(f"dataset.root={root}: CIFAR-10 is not there and could not be "
                         f"downloaded ({error}); download it or fix the path") from error
     labels = np.asarray(train.targets, dtype=np.int64)
-    order = np.random.default_rng(0).permutation(len(labels))
+    order = np.random.default_rng(split_seed).permutation(len(labels))
     n_val = round(len(labels) * val_fraction)
     val, keep = order[:n_val], order[n_val:]
     splits = {"train": ArraySource(train.data[keep], labels[keep], "cifar10/train", train.classes),

@@ -17,7 +17,6 @@ from labrun.core.errors import DataError
 from labrun.data.image.sources import ArraySource
 
 CLASS_NAMES = [str(d) for d in range(10)]
-SPLIT_SEED = 0  # the val split is fixed: it does not change with the run's seed
 
 
 def _digits_csv() -> Path:
@@ -27,7 +26,10 @@ def _digits_csv() -> Path:
     return Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
 
 
-def load(image_size: int, val_fraction: float) -> dict[str, ArraySource]:
+def load(image_size: int, val_fraction: float, split_seed: int = 0,
+         num_folds: int | None = None) -> dict[str, ArraySource]:
+    """Train and a held-out val split of `val_fraction` (seeded by split_seed); with
+    num_folds, every image as train, for ImageData to fold."""
     with gzip.open(_digits_csv(), "rt") as f:
         table = np.loadtxt(f, delimiter=",", dtype=np.float32)
     pixels, labels = table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
@@ -35,7 +37,9 @@ def load(image_size: int, val_fraction: float) -> dict[str, ArraySource]:
     big = np.stack([cv2.resize(im, (image_size, image_size), interpolation=cv2.INTER_LINEAR)
                     for im in gray])
     images = np.repeat(big[..., None], 3, axis=3)  # RGB, so every model takes it
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(images))
+    if num_folds:
+        return {"train": ArraySource(images, labels, "digits/train")}
+    order = np.random.default_rng(split_seed).permutation(len(images))
     n_val = round(len(images) * val_fraction)
     val, train = order[:n_val], order[n_val:]
     return {"train": ArraySource(images[train], labels[train], "digits/train"),

@@ -97,3 +97,17 @@ def hold_out(train: ImageSource, fraction: float, seed: int = 0) -> tuple[Subset
     n_val = round(len(train) * fraction)
     return (SubsetSource(train, np.sort(order[n_val:]), f"{train.name}[train part]"),
             SubsetSource(train, np.sort(order[:n_val]), f"{train.name}[val part]"))
+
+
+def folds(train: ImageSource, num_folds: int, fold: int, seed: int = 0
+          ) -> tuple[SubsetSource, SubsetSource]:
+    """Fold `fold` of a seeded k-fold split of `train` as val, the other K-1 folds as train:
+    stratified by class (scikit-learn's StratifiedKFold), so every fold keeps the classes'
+    shares. The K folds are disjoint and cover `train` exactly once."""
+    from sklearn.model_selection import StratifiedKFold
+
+    labels = np.asarray(train.labels)
+    splitter = StratifiedKFold(n_splits=num_folds, shuffle=True, random_state=seed)
+    kept, held = list(splitter.split(np.zeros(len(labels)), labels))[fold]
+    return (SubsetSource(train, np.sort(kept), f"{train.name}[folds except {fold}]"),
+            SubsetSource(train, np.sort(held), f"{train.name}[fold {fold} of {num_folds}]"))
