@@ -16,8 +16,8 @@ if [ -s "$STATE/pids/slurmctld.pid" ] && command -v scancel >/dev/null \
     if [ -n "$jobs" ]; then
         # shellcheck disable=SC2086
         timeout 10 scancel $jobs 2>/dev/null || true
-        # KillWait=5: give the steps a moment to finish before slurmd goes away.
-        for _ in $(seq 20); do
+        # KillWait=10: give the steps a moment to finish before slurmd goes away.
+        for _ in $(seq 30); do
             [ -z "$(timeout 5 squeue -h -o %i 2>/dev/null || true)" ] && break
             sleep 0.5
         done

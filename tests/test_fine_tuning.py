@@ -249,7 +249,8 @@ def refusal_files(tmp_path_factory) -> dict[str, Path]:
     def build(folder: Path) -> None:
         with torch.device("meta"):
             shapes = torchvision.models.resnet34(weights=None).state_dict()
-        torch.save({k: torch.zeros(v.shape) for k, v in shapes.items()},
+        # Each tensor one zero broadcast to its shape: its shapes at a few bytes of storage.
+        torch.save({k: torch.zeros(()).expand(v.shape) for k, v in shapes.items()},
                    folder / names["resnet34"])
         torch.save(SimpleCNN(10, width=32).state_dict(), folder / names["simple32"])
         torch.save([1, 2, 3], folder / names["not_weights"])
