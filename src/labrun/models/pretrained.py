@@ -45,7 +45,6 @@ class Weights:
     model: str  # the model.name they fit
     url: str  # where `labrun weights fetch` downloads them from
     num_classes: int  # of the head they were trained with
-    classifier: tuple[str, ...] = ()  # the library's name(s) of the head (timm's own)
     hash_prefix: str | None = None  # torchvision's published sha256 prefix
     hf_repo: str | None = None  # timm on the Hugging Face hub: timm/resnet18.a1_in1k
     candidates: list[Path] = field(default_factory=list)
@@ -123,14 +122,13 @@ def _timm(name: str, pretrained: bool | str, caches: list[Path]) -> Weights:
         raise ConfigError(f"model.pretrained={pretrained}: timm has no {arch}.{tag} weights; "
                           f"{_closest(tag, tags)}, or true for its default")
     cfg = timm.models.get_pretrained_cfg(f"{arch}.{tag}" if tag else arch)
-    classifier = (cfg.classifier,) if isinstance(cfg.classifier, str) else tuple(cfg.classifier)
     label = f"{arch}.{cfg.tag}" if cfg.tag else arch
     if cfg.hf_hub_id:
         # Hugging Face's layout, read by its own lookup (refs/main names the snapshot).
         repo = cfg.hf_hub_id.split("@")[0]
         files = (cfg.hf_hub_filename,) if cfg.hf_hub_filename else HF_FILES
         return Weights("timm", label, arch, f"https://huggingface.co/{repo}", cfg.num_classes,
-                       classifier, hf_repo=repo,
+                       hf_repo=repo,
                        candidates=[path for hub in [*(c / "hub" for c in caches),
                                                     Path(constants.HF_HUB_CACHE)]
                                    for path in _hf_cached(repo, files, hub)])
@@ -138,7 +136,7 @@ def _timm(name: str, pretrained: bool | str, caches: list[Path]) -> Weights:
 
     filename = Path(urlparse(cfg.url).path).name
     found = HASH_IN_NAME.search(filename)
-    return Weights("timm", label, arch, cfg.url, cfg.num_classes, classifier,
+    return Weights("timm", label, arch, cfg.url, cfg.num_classes,
                    hash_prefix=found.group(1) if found else None,
                    candidates=[*(c / "hub" / "checkpoints" / filename for c in caches),
                                Path(torch.hub.get_dir()) / "checkpoints" / filename])

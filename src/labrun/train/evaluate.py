@@ -3,7 +3,7 @@ one, with the task's metrics, as the Trainer evaluates (on the CPU or a GPU; in 
 with trainer.devices=N).
 
     config (the run's own overrides + the command line's) -> data -> the task's model with the
-    checkpoint's weights -> the Trainer's evaluation_sums over the whole split -> the task's
+    checkpoint's weights -> evaluation_sums (the Trainer's loop) over the whole split -> the task's
     eval_metrics: {SPLIT/NAME: value}
 
 What it writes is the CLI's (RunDir.write_eval): nothing here touches the run folder.
@@ -22,8 +22,8 @@ from labrun import data
 from labrun.core.errors import ConfigError, DataError, LabrunError, one_line
 from labrun.train import distributed
 from labrun.train.checkpoint import load as load_checkpoint
+from labrun.train.evaluation import evaluation_sums
 from labrun.train.precision import Precision
-from labrun.train.trainer import evaluation_sums
 
 
 def evaluate(cfg: DictConfig, checkpoint: Path, split: str) -> dict[str, float]:

@@ -13,6 +13,7 @@ learning rate (LambdaLR), so a group at a tenth of the rate stays at a tenth thr
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,6 +24,8 @@ from torch import nn
 from labrun.core.errors import ConfigError
 from labrun.models import pretrained
 from labrun.train import initial_weights
+
+log = logging.getLogger(__name__)
 
 # Keys of the optimizer's config that labrun reads itself, not the optimizer's arguments.
 OPTIMIZER_KEYS = ("groups", "backbone_lr_mult")
@@ -84,14 +87,17 @@ def _must_match(names: list[str], pattern: str, key: str) -> None:
                           f"like {', '.join(names[:3])} (fnmatch patterns: 'layer1.*')")
 
 
-def freeze(model: nn.Module, patterns: Iterable[str]) -> list[str]:
-    """Stop the gradient of every parameter a pattern matches; returns their names."""
+def freeze(model: nn.Module, patterns: Iterable[str]) -> list[nn.Module]:
+    """Stop the gradient of every parameter a pattern matches (one log line says which);
+    returns the BatchNorm layers to keep in eval mode (frozen_norms)."""
     frozen = []
     for name, parameter in model.named_parameters():
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
             parameter.requires_grad_(False)
             frozen.append(name)
-    return frozen
+    if frozen:
+        log.info(f"model.freeze: {len(frozen)} parameters frozen ({frozen[0]} ... {frozen[-1]})")
+    return frozen_norms(model)
 
 
 def frozen_norms(model: nn.Module) -> list[nn.Module]:
@@ -100,6 +106,18 @@ def frozen_norms(model: nn.Module) -> list[nn.Module]:
             if isinstance(module, nn.modules.batchnorm._BatchNorm)
             and any(True for _ in module.parameters())
             and not any(p.requires_grad for p in module.parameters())]
+
+
+def build_optimizer(cfg: DictConfig, model: nn.Module, info: dict[str, Any]
+                    ) -> torch.optim.Optimizer:
+    """The configured optimizer over the parameters that train, in their groups (`info`:
+    what the data declares; its class names tell the head apart)."""
+    from hydra.utils import instantiate
+
+    num_classes = len(info.get("class_names") or []) or None
+    head = lambda: initial_weights.head_keys(cfg.model, model, num_classes)  # noqa: E731
+    return instantiate(optimizer_factory(cfg.optimizer))(
+        parameters(model, cfg.optimizer, head))
 
 
 def optimizer_factory(optimizer: DictConfig) -> dict[str, Any]:

@@ -21,7 +21,6 @@ loss and metrics (the `task` config group) and the callbacks (the `callbacks` gr
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import Any
 
@@ -40,15 +39,14 @@ from labrun.track.loggers import NoTracker, Tracker
 from labrun.track.metrics_endpoint import GpuPoller, TrainingStats
 from labrun.train import callbacks as callback_registry
 from labrun.train import checkpoint as ckpt
-from labrun.train import fine_tuning, initial_weights, run_state
+from labrun.train import fine_tuning, run_state
 from labrun.train.checkpoint import CheckpointManager
 from labrun.train.distributed import Distributed, all_reduce_sum
+from labrun.train.evaluation import evaluation_sums
 from labrun.train.nonfinite import NonFiniteWatch
 from labrun.train.precision import Precision
 from labrun.train.progress import ProgressReporter, StepWindow
 from labrun.train.stop_signals import StopSignals
-
-log = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(LabrunError):
@@ -79,11 +77,7 @@ class Trainer:
         self.memory_format = torch.channels_last if trainer.channels_last else torch.contiguous_format
         self.model = self.model.to(memory_format=self.memory_format)
         # Before DDP wraps it: DDP reduces the gradients of the parameters that train only.
-        frozen = fine_tuning.freeze(self.model, cfg.model.get("freeze") or [])
-        if frozen:
-            log.info(f"model.freeze: {len(frozen)} parameters frozen ({frozen[0]} ... "
-                     f"{frozen[-1]})")
-        self.frozen_norms = fine_tuning.frozen_norms(self.model)
+        self.frozen_norms = fine_tuning.freeze(self.model, cfg.model.get("freeze") or [])
         self.net: nn.Module = self.model
         if dist.enabled:
             self.net = DistributedDataParallel(
@@ -92,10 +86,7 @@ class Trainer:
         if trainer.compile:
             self.net = torch.compile(self.net)
 
-        num_classes = len(data.info.get("class_names") or []) or None
-        self.optimizer = instantiate(fine_tuning.optimizer_factory(cfg.optimizer))(
-            fine_tuning.parameters(self.model, cfg.optimizer, lambda: initial_weights.head_keys(
-                cfg.model, self.model, num_classes)))
+        self.optimizer = fine_tuning.build_optimizer(cfg, self.model, data.info)
         self.train_loader = self._train_loader()
         self.steps_per_epoch = self.train_loader.sampler.steps_per_epoch()
         if trainer.limit_train_batches:
@@ -455,20 +446,3 @@ class Trainer:
         if self.dist.is_main:
             self.checkpoints.save(run_state.capture(self), self.step, is_best=is_best)
 
-
-@torch.inference_mode()
-def evaluation_sums(model: nn.Module, task: Any, loader: Any, device: torch.device, autocast,
-                    limit: int | None = None, distributed: bool = False) -> torch.Tensor:
-    """The task's eval_sums over a split's batches (the first `limit`), added up in float64
-    and across ranks: what task.eval_metrics turns into SPLIT/NAME values. The Trainer's
-    validation and test, and `labrun eval` (train/evaluate.py)."""
-    model.eval()
-    sums = torch.zeros(task.num_sums, dtype=torch.float64)
-    for index, batch in enumerate(loader):
-        if limit and index >= limit:
-            break
-        batch = task.prepare(batch, device)
-        with autocast():
-            batch_sums = task.eval_sums(model, batch)
-        sums = sums + batch_sums.cpu().double()
-    return all_reduce_sum(sums.to(device) if distributed else sums).cpu()
