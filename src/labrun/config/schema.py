@@ -202,6 +202,36 @@ class CIFAR10Config(ImageDatasetConfig):
 
 
 @dataclass
+class SegmentationDatasetConfig(ImageDatasetConfig):
+    """An image format whose labels are masks (labrun.data.segmentation): its images and masks
+    are cropped, flipped and resized together (masks by nearest neighbour)."""
+    ignore_index: int = 255  # a mask value not scored (Pascal VOC's void)
+    # fixed: val and test images resized to image_size x image_size; full: at their own size
+    # (one image per batch when sizes differ: trainer.batch_size must then be 1 for eval).
+    eval_size: str = "fixed"
+
+
+@dataclass
+class ShapesConfig(SegmentationDatasetConfig):
+    num_train: int = 512
+    num_val: int = 128
+    num_test: int = 0
+
+
+@dataclass
+class SegFolderConfig(SegmentationDatasetConfig):
+    root: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
+    decoder: str = "turbojpeg"  # turbojpeg | pil | torchvision
+    num_classes: int | None = None  # required without ROOT/classes.txt
+
+
+@dataclass
+class SegHDF5Config(SegmentationDatasetConfig):
+    path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
+    decoder: str = "turbojpeg"
+
+
+@dataclass
 class TokensConfig:
     """A token folder of `labrun convert text` (data/tokens.py): its own keys, none of the
     image datasets'."""
@@ -266,6 +296,18 @@ class TorchvisionModelConfig(PretrainedModelConfig):
 class TimmModelConfig(PretrainedModelConfig):
     name: str = MISSING  # any name timm.list_models() gives
     drop_rate: float = 0.0  # dropout before the classifier
+
+
+@dataclass
+class UNetConfig(ModelConfig):
+    width: int = 16  # channels of the first level, doubled at each level down
+    depth: int = 3  # levels down (the input is padded to a multiple of 2**depth)
+
+
+@dataclass
+class TorchvisionSegModelConfig(PretrainedModelConfig):
+    name: str = MISSING  # fcn_resnet50, deeplabv3_resnet50, lraspp_mobilenet_v3_large...
+    aux_loss: bool = False  # torchvision's auxiliary head (FCN, DeepLabV3)
 
 
 @dataclass
@@ -430,11 +472,16 @@ SCHEMAS: dict[str, Any] = {
     "dataset/imagefolder": ImageFolderConfig,
     "dataset/hdf5": HDF5Config,
     "dataset/cifar10": CIFAR10Config,
+    "dataset/shapes": ShapesConfig,
+    "dataset/segfolder": SegFolderConfig,
+    "dataset/seg_hdf5": SegHDF5Config,
     "dataset/tokens": TokensConfig,
     "dataset/python_docs": PythonDocsConfig,
     "model/simple_cnn": SimpleCNNConfig,
     "model/torchvision": TorchvisionModelConfig,
     "model/timm": TimmModelConfig,
+    "model/unet": UNetConfig,
+    "model/torchvision_seg": TorchvisionSegModelConfig,
     "model/gpt": GPTConfig,
     "optimizer/sgd": SGDConfig,
     "optimizer/adamw": AdamWConfig,

@@ -33,6 +33,7 @@ CHOICES = {
     "logger.mode": ("auto", "online", "offline", "disabled"),
     "distributed.backend": ("auto", "nccl", "gloo"),
     "dataset.decode": ("workers", "cpu", "cuda"),
+    "dataset.eval_size": ("fixed", "full"),
     "cluster.container.runtime": ("apptainer", "pyxis", "podman"),
 }
 POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs",

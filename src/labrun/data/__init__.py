@@ -95,6 +95,10 @@ def build(cfg: DictConfig) -> Data:
     image.check_folds(cfg)
     made = call_target(cfg)
     if isinstance(made, dict):
+        from labrun.data import segmentation
+
+        if segmentation.holds_masks(made):
+            return segmentation.SegData.build(made, cfg)
         return image.ImageData.build(made, cfg)
     return made  # a format that makes its own loaders (dataset=tokens: data/tokens.py)
 

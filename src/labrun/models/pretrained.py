@@ -32,7 +32,9 @@ from labrun.core.errors import ConfigError
 HASH_IN_NAME = re.compile(r"-([a-f0-9]*)\.")
 # What timm stores on the Hugging Face hub, in the order timm's own loader tries them.
 HF_FILES = ("model.safetensors", "pytorch_model.bin")
-LIBRARIES = {"labrun.models.torchvision_model": "torchvision", "labrun.models.timm_model": "timm"}
+SEGMENTATION = "labrun.models.segmentation.torchvision_seg_model"  # torchvision's, by name
+LIBRARIES = {"labrun.models.torchvision_model": "torchvision", "labrun.models.timm_model": "timm",
+             SEGMENTATION: "torchvision"}
 
 
 @dataclass
@@ -75,17 +77,23 @@ def resolve(model_cfg: Any, weights_cache: str | None) -> Weights:
                           f"start from a file with model.init_from=PATH instead")
     caches = [Path(weights_cache).expanduser()] if weights_cache else []
     if library == "torchvision":
-        return _torchvision(model_cfg.name, model_cfg.pretrained, caches)
+        return _torchvision(model_cfg.name, model_cfg.pretrained, caches,
+                            segmentation=model_cfg._target_ == SEGMENTATION)
     return _timm(model_cfg.name, model_cfg.pretrained, caches)
 
 
-def _torchvision(name: str, pretrained: bool | str, caches: list[Path]) -> Weights:
+def _torchvision(name: str, pretrained: bool | str, caches: list[Path],
+                 segmentation: bool = False) -> Weights:
     import torch
     import torchvision
 
-    if name not in torchvision.models.list_models(module=torchvision.models):
-        raise ConfigError(f"model.name={name} is not a torchvision classification model; "
-                          f"{_closest(name, torchvision.models.list_models(module=torchvision.models))}")
+    # list_models(module=torchvision.models) holds the classifiers only, not the segmentation
+    # models of its submodule, whose weights get_model_weights finds all the same.
+    module, kind = ((torchvision.models.segmentation, "segmentation") if segmentation
+                    else (torchvision.models, "classification"))
+    if name not in torchvision.models.list_models(module=module):
+        raise ConfigError(f"model.name={name} is not a torchvision {kind} model; "
+                          f"{_closest(name, torchvision.models.list_models(module=module))}")
     enum = torchvision.models.get_model_weights(name)
     tag = str(pretrained).split(".")[-1]  # IMAGENET1K_V2, or ResNet50_Weights.IMAGENET1K_V2
     if pretrained is True:
@@ -170,11 +178,13 @@ def locate(model_cfg: Any, weights_cache: str | None) -> tuple[Weights, Path | N
     if found is None and not model_cfg.get("download", False):
         asked = override_text(model_cfg.pretrained)
         others = len(weights.candidates) - 1
+        # The config group that names the model: torchvision's segmentation models have their own.
+        group = "torchvision_seg" if model_cfg.get("_target_") == SEGMENTATION else weights.library
         raise ConfigError(
             f"model.pretrained={asked}: no {weights.label} weights in the weights cache (looked "
             f"for {weights.candidates[0]}{f' and {others} more places' if others else ''}); "
             f"fetch them on a machine with internet: labrun weights fetch "
-            f"model={weights.library} model.name={weights.model} model.pretrained={asked}"
+            f"model={group} model.name={weights.model} model.pretrained={asked}"
             f"{f' paths.weights_cache={weights_cache}' if weights_cache else ''} "
             f"(or set model.download=true where this machine has internet)")
     return weights, found

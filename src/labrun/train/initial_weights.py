@@ -127,6 +127,16 @@ def head_keys(model_cfg: DictConfig, model: nn.Module, num_classes: int | None) 
             if key in own and own[key].shape != tensor.shape}
 
 
+def _without_unused_aux(model: nn.Module, theirs: dict[str, Any]) -> dict[str, Any]:
+    """The file's tensors less torchvision's auxiliary segmentation head where the model was
+    built without one (model.aux_loss=false): torchvision trained its FCN and DeepLabV3 weights
+    with it, and the head is only needed for the auxiliary loss."""
+    if getattr(model, "aux_classifier", False) is not None:  # built with it, or no such model
+        return theirs
+    return {key: value for key, value in theirs.items()
+            if not key.startswith("aux_classifier.")}
+
+
 def mismatch(own: dict[str, tuple[int, ...]], theirs: dict[str, tuple[int, ...]],
              head: set[str], where: str) -> list[str]:
     """The head tensors to re-initialise, or a ConfigError naming the first tensor that
@@ -155,7 +165,7 @@ def load(model: nn.Module, model_cfg: DictConfig, start: Source,
          num_classes: int | None) -> list[str]:
     """Load the starting weights into `model` with the head swap; returns the tensors
     re-initialised, which one log line names."""
-    state = read_state(start.path)
+    state = _without_unused_aux(model, read_state(start.path))
     own = model.state_dict()
     where = f"{start.key}: {start.path}"
     swapped = mismatch({k: tuple(v.shape) for k, v in own.items()},
@@ -186,5 +196,6 @@ def check(cfg: DictConfig, model: nn.Module, num_classes: int | None) -> None:
         path = Path(init_from)
         if not path.is_file():
             raise ConfigError(f"model.init_from={init_from}: no such file")
-        mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()}, shapes(path),
+        mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                 _without_unused_aux(model, shapes(path)),
                  head_keys(model_cfg, model, num_classes), f"model.init_from={init_from}")

@@ -74,6 +74,7 @@ class Classification:
     # without building the task.
     metric_names = ("loss", "acc", "acc5")
     units = {"images": 1}  # perf/images_per_s
+    dense = False  # a label per image; Segmentation's are per pixel, its dataset's masks
 
     def __init__(self) -> None:
         self.class_names: list[str] = []
@@ -91,9 +92,17 @@ class Classification:
         fine-tuning keys that cannot work (starting weights missing or of another model,
         patterns that match no parameter: train/fine_tuning.py). The class count does not
         change a parameter's name, nor a tensor outside the head."""
+        from labrun.core.errors import ConfigError
         from labrun.data.image import check_folds
         from labrun.train import fine_tuning
 
+        if ("ignore_index" in cfg.dataset) != cls.dense:  # only datasets of masks have one
+            raise ConfigError(
+                f"task=segmentation needs a dataset of masks (dataset=shapes, segfolder, "
+                f"seg_hdf5); dataset {cfg.dataset.get('name')} has a label per image"
+                if cls.dense else
+                f"dataset {cfg.dataset.get('name')} holds masks, a label per pixel; train it "
+                f"with task=segmentation")
         check_folds(cfg.dataset)  # a format with a val split of its own takes no folds
         placeholder = {"class_names": ["a", "b"]}
         fine_tuning.check(cfg, lambda: cls().build_model(cfg.model, placeholder),
@@ -160,6 +169,112 @@ class Classification:
     def checkpoint_meta(self) -> dict[str, Any]:
         # Top-level in every checkpoint: export, serve and `labrun status` read it there.
         return {"class_names": self.class_names}
+
+
+class Segmentation(Classification):
+    """Images and masks (uint8 NCHW, uint8 NHW class indices): per-pixel cross-entropy, pixels
+    of dataset.ignore_index not scored; val/loss (per scored pixel), val/miou (mean IoU over the
+    classes present in the masks or the predictions) and val/pixel_acc. Mean IoU is not a
+    per-batch average: eval_sums carries the confusion matrix, whose sums across batches and
+    ranks are exact, and eval_metrics reads IoU off the total.
+
+    The model gives logits N x classes x H x W, or torchvision's dict ({"out": ..., "aux": ...},
+    the auxiliary head weighted 0.5 in the loss, as torchvision's reference recipe does)."""
+
+    metric_names = ("loss", "miou", "pixel_acc")
+    deploy = "segmentation"  # checkpoint_meta's `task`: labrun.deploy's segmentation hooks
+    dense = True
+    AUX_WEIGHT = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ignore_index = 255
+
+    @property
+    def num_sums(self) -> int:
+        return 2 + len(self.class_names) ** 2  # summed loss, scored pixels, confusion matrix
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        from labrun.core.errors import ConfigError
+
+        super().check_config(cfg)
+        if not 0 <= cfg.dataset.ignore_index <= 255:
+            raise ConfigError(f"dataset.ignore_index={cfg.dataset.ignore_index}: masks hold "
+                              f"values 0..255; use one of them (255, Pascal VOC's void)")
+
+    def setup(self, info: dict[str, Any], device: torch.device,
+              memory_format: torch.memory_format) -> None:
+        super().setup(info, device, memory_format)
+        self.ignore_index = int(info["ignore_index"])
+
+    def prepare(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        images, masks = super().prepare(batch, device)
+        return images, masks.long()  # uint8 on the way: an eighth of int64's bytes to copy
+
+    def count(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (batch[1] != self.ignore_index).sum()  # the scored pixels, on the host
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        import torch.nn.functional as F  # noqa: N812
+
+        images, masks = batch
+        outputs = model(images)
+        if not isinstance(outputs, dict):
+            return F.cross_entropy(outputs, masks, ignore_index=self.ignore_index,
+                                   reduction="sum")
+        loss = F.cross_entropy(outputs["out"], masks, ignore_index=self.ignore_index,
+                               reduction="sum")
+        if "aux" in outputs:
+            loss = loss + self.AUX_WEIGHT * F.cross_entropy(
+                outputs["aux"], masks, ignore_index=self.ignore_index, reduction="sum")
+        return loss
+
+    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+                  ) -> torch.Tensor:
+        """[summed loss, scored pixels, confusion matrix (true x predicted, flattened)]; float64
+        where the device has it (counts stay exact beyond float32's 2**24)."""
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+
+        images, masks = batch
+        logits = logits_of(model(images)).float()
+        classes = logits.shape[1]
+        scored = masks != self.ignore_index
+        loss = F.cross_entropy(logits, masks, ignore_index=self.ignore_index, reduction="sum")
+        pairs = masks[scored] * classes + logits.argmax(dim=1)[scored]
+        confusion = torch.bincount(pairs, minlength=classes * classes)
+        dtype = torch.float32 if logits.device.type == "mps" else torch.float64
+        return torch.cat([torch.stack([loss.to(dtype), scored.sum().to(dtype)]),
+                          confusion.to(dtype)])
+
+    def eval_metrics(self, sums: torch.Tensor, split: str) -> dict[str, float]:
+        loss, count = sums[:2].tolist()
+        miou, pixel_acc = mean_iou(sums[2:].view(len(self.class_names), -1))
+        values = (loss / max(count, 1.0), miou, pixel_acc)
+        return {f"{split}/{name}": value
+                for name, value in zip(self.metric_names, values, strict=True)}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"task": self.deploy, "class_names": self.class_names,
+                "ignore_index": self.ignore_index}
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """A segmentation model's logits: its output, or torchvision's dict's "out"."""
+    return outputs["out"] if isinstance(outputs, dict) else outputs
+
+
+def mean_iou(confusion: torch.Tensor) -> tuple[float, float]:
+    """(mean IoU over the classes present in truth or prediction, pixel accuracy) of a
+    confusion matrix, rows true and columns predicted (mmsegmentation's definition)."""
+    confusion = confusion.double()
+    hits = confusion.diagonal()
+    union = confusion.sum(0) + confusion.sum(1) - hits
+    present = union > 0
+    miou = (hits[present] / union[present]).mean().item() if present.any() else 0.0
+    return miou, (hits.sum() / confusion.sum().clamp(min=1)).item()
 
 
 class LanguageModelling:

@@ -1,0 +1,174 @@
+"""Segmentation data: formats whose labels are masks (shapes, segfolder, seg_hdf5), and SegData,
+which the Trainer gets for them (labrun.data.build):
+
+    SegData.info              class names, the mean and std images are normalised by, and the
+                              mask value not scored (ignore_index)
+    SegData.loader(split...)  a DataLoader of uint8 NCHW images and uint8 NHW masks
+
+A format's loader returns {split: source}, each source with `dense = True` (what tells it from
+an image classification format's), and:
+    name, class_names, __len__(), describe(i)   as an ImageSource's (data/image/sources.py)
+    open(i) -> (image, mask)   uint8 HxWx3 pixels or a JpegImage; uint8 HxW class indices
+
+Images and masks are transformed together (transforms.py), with each sample's randomness from
+(seed, epoch, index), as for classification. A mask that does not fit its image, or holds a
+value that is neither a class nor ignore_index, is refused naming the file: a sample of pairs
+when the data is built, before training, and every item as it is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+
+from labrun.core.errors import ConfigError, DataError
+from labrun.data import epoch_loader
+from labrun.data.segmentation.transforms import JointEval, JointTrain, PadCollate
+
+CHECKED_AT_START = 16  # pairs read when the data is built, spread over each split
+
+
+def holds_masks(splits: dict[str, Any]) -> bool:
+    return all(getattr(source, "dense", False) for source in splits.values())
+
+
+def check_pair(image: Any, mask: np.ndarray, num_classes: int, ignore_index: int) -> str | None:
+    """Why this image and mask cannot train, or None."""
+    if tuple(image.shape[:2]) != mask.shape[:2]:
+        return (f"its mask is {mask.shape[1]}x{mask.shape[0]} (width x height), the image "
+                f"{image.shape[1]}x{image.shape[0]}; masks must match their image's size")
+    wrong = (mask >= num_classes) & (mask != ignore_index)
+    if wrong.any():
+        return (f"its mask holds value {int(mask[wrong].max())}, but there are {num_classes} "
+                f"classes (0..{num_classes - 1}) and dataset.ignore_index={ignore_index}")
+    return None
+
+
+class Subset:
+    """Some samples of another source: a held-out val split, or folds."""
+
+    dense = True
+
+    def __init__(self, source: Any, indices: np.ndarray, name: str):
+        self.source, self.indices, self.name = source, np.sort(indices), name
+        self.class_names = source.class_names
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def open(self, index: int) -> tuple[Any, np.ndarray]:
+        return self.source.open(int(self.indices[index]))
+
+    def describe(self, index: int) -> str:
+        return self.source.describe(int(self.indices[index]))
+
+
+def split_off(train: Any, cfg: DictConfig) -> tuple[Subset, Subset]:
+    """(train, val) out of a format's train split: fold dataset.fold of dataset.num_folds
+    (scikit-learn's KFold: masks have no one label to stratify by), or a seeded
+    dataset.val_fraction."""
+    seed = cfg.get("split_seed", 0)
+    if cfg.get("num_folds"):
+        from sklearn.model_selection import KFold
+
+        kept, held = list(KFold(cfg.num_folds, shuffle=True, random_state=seed)
+                          .split(np.zeros(len(train))))[cfg.fold]
+        return (Subset(train, kept, f"{train.name}[folds except {cfg.fold}]"),
+                Subset(train, held, f"{train.name}[fold {cfg.fold} of {cfg.num_folds}]"))
+    if cfg.val_fraction <= 0:
+        raise DataError(f"{train.name} has no val split; set dataset.val_fraction (for "
+                        f"example 0.1) to hold out part of train")
+    order = np.random.default_rng(seed).permutation(len(train))
+    n_val = round(len(train) * cfg.val_fraction)
+    return (Subset(train, order[n_val:], f"{train.name}[train part]"),
+            Subset(train, order[:n_val], f"{train.name}[val part]"))
+
+
+@dataclass
+class SegData:
+    splits: dict[str, Any]
+    cfg: DictConfig
+
+    @classmethod
+    def build(cls, splits: dict[str, Any], cfg: DictConfig) -> SegData:
+        """The format's splits, val split off train where the format has none, each checked
+        not empty, and a sample of each split's pairs checked."""
+        if cfg.get("decode", "workers") != "workers":
+            raise ConfigError(f"dataset.decode={cfg.decode} is for image classification; "
+                              f"segmentation decodes in the loader's workers: "
+                              f"dataset.decode=workers")
+        if cfg.get("num_folds") and "val" in splits:
+            raise DataError(f"dataset.num_folds={cfg.num_folds}: {splits['val'].name} is a val "
+                            f"split of the format's own; folds split a dataset without one")
+        if cfg.get("num_folds") or "val" not in splits:
+            splits["train"], splits["val"] = split_off(splits["train"], cfg)
+        data = cls(splits, cfg)
+        for split, source in splits.items():
+            if len(source) == 0:
+                raise DataError(f"{source.name}: the {split} split is empty; add images to it")
+            for index in np.linspace(0, len(source) - 1, CHECKED_AT_START).astype(int):
+                data.check(source, int(index), *source.open(int(index)))
+        return data
+
+    def check(self, source: Any, index: int, image: Any, mask: np.ndarray) -> None:
+        problem = check_pair(image, mask, len(self.class_names), self.cfg.ignore_index)
+        if problem:
+            raise DataError(f"{source.describe(index)}: {problem}")
+
+    @property
+    def class_names(self) -> list[str]:
+        return self.splits["train"].class_names
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return {"class_names": self.class_names, "mean": list(self.cfg.mean),
+                "std": list(self.cfg.std), "ignore_index": int(self.cfg.ignore_index)}
+
+    def transform(self, split: str) -> Callable:
+        if split == "train":
+            aug = self.cfg.augment
+            return JointTrain(self.cfg.image_size, tuple(aug.crop_scale), tuple(aug.crop_ratio),
+                              aug.hflip)
+        return JointEval(self.cfg.image_size if self.cfg.eval_size == "fixed" else None)
+
+    def loader(self, split: str, *, micro_batch_size: int, seed: int, rank: int = 0,
+               world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False
+               ) -> DataLoader:
+        source = self.splits[split]
+        full_size = split != "train" and self.cfg.eval_size == "full"
+        return epoch_loader(SegDataset(self, source, self.transform(split), seed, split),
+                            train=split == "train", micro_batch_size=micro_batch_size,
+                            seed=seed, rank=rank, world_size=world_size,
+                            samples_per_step=samples_per_step, pin_memory=pin_memory,
+                            num_workers=self.cfg.num_workers, name=source.name,
+                            collate_fn=PadCollate(self.cfg.ignore_index) if full_size else None)
+
+
+class SegDataset(Dataset):
+    """(epoch, index) -> (uint8 CxHxW image, uint8 HxW mask), transformed together."""
+
+    def __init__(self, data: SegData, source: Any, transform: Callable, seed: int, split: str):
+        self.data, self.source, self.transform = data, source, transform
+        self.seed, self.split = seed, split
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = key
+        rng = np.random.default_rng([self.seed, epoch, index])
+        try:
+            image, mask = self.source.open(index)
+        except DataError:
+            raise
+        except Exception as error:
+            raise DataError(f"{self.split} sample {index} ({self.source.describe(index)}) "
+                            f"could not be loaded: {error}") from error
+        self.data.check(self.source, index, image, mask)
+        return self.transform(image, mask, rng)
