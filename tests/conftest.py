@@ -392,6 +392,16 @@ def python_docs_tokens(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "python_docs_tokens", convert) / "bytes"
 
 
+@pytest.fixture(scope="session")
+def seg_run(tmp_path_factory) -> Path:
+    """experiment=seg_shapes trained once (a U-Net on dataset=shapes, about half a minute),
+    shared by every segmentation test that reads a finished run: the preset's own mean IoU,
+    compare, the dashboard, eval, export, serving and predict."""
+    folder = built_once(tmp_path_factory, "seg_run", lambda folder: run_train(
+        "experiment=seg_shapes", run_dir=folder / "run"))
+    return folder / "run"
+
+
 # A language model small enough for a few steps in a second or two: the sweeps and guarantees
 # of task=lm (dataset.path= a token folder, such as python_docs_tokens).
 LM_TINY = ["dataset=tokens", "dataset.block_size=32", "model=gpt", "model.n_layer=1",

@@ -11,7 +11,8 @@ does the preprocessing from the metadata, for `labrun serve` and `labrun predict
 A language model's checkpoint (its `task` is "lm": labrun.train.task.LanguageModelling) goes
 the same way with labrun.deploy.lm's parts (lm_plan): token ids in, next-token logits out, the
 batch and the sequence (up to block_size) dynamic, the parity check on windows of the run's
-val tokens at two batch sizes and two lengths, and the tokenizer in the metadata.
+val tokens at two batch sizes and two lengths, and the tokenizer in the metadata. A segmentation
+model's (task "segmentation") goes with labrun.deploy.segmentation's parts (seg_plan).
 
 ONNX: the dynamo exporter (torch.export) is tried first, as it is the one PyTorch maintains
 (the TorchScript-based exporter is deprecated); the legacy exporter is the fallback when the
@@ -42,7 +43,7 @@ from labrun.config.schema import ImageDatasetConfig
 from labrun.core.errors import LabrunError, one_line
 from labrun.core.files import atomic_path, write_json_atomic
 from labrun.data.image.transforms import ValTransform, normalize_on_device
-from labrun.deploy import lm
+from labrun.deploy import lm, segmentation
 from labrun.deploy import runtime as inference
 from labrun.runs.rundir import RunDir
 from labrun.train.checkpoint import load as load_checkpoint
@@ -62,10 +63,6 @@ TRUSTED_TARGETS = ("labrun.models.", "torchvision.models.", "torch.nn.", "timm."
 BATCH_AXIS = {0: ("batch", None)}
 FP16_NEEDS_GPU = ("--fp16 exports on a CUDA GPU and none is visible here; export fp32 (drop "
                   "--fp16) or run this on a GPU node")
-
-
-
-
 
 
 @dataclass
@@ -124,6 +121,8 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
     # what it lacks.
     language = state.get("task") == lm.TASK or "tokenizer" in state
     make_plan = lm_plan if language else image_plan
+    if state.get("task") == segmentation.TASK:
+        make_plan = seg_plan
     plan = make_plan(state, checkpoint, check_data, fmt, dtype, device)
     out.parent.mkdir(parents=True, exist_ok=True)
     used, check = write_checked(plan, out, fmt, exporter, opset, dtype, device, verbose)
@@ -220,6 +219,15 @@ def lm_plan(state: dict[str, Any], checkpoint: Path, check_data: str | None, fmt
                 check, lm.report_parity, lm.metadata(state, logits_size))
 
 
+def seg_plan(state: dict[str, Any], checkpoint: Path, check_data: str | None, fmt: str,
+             dtype: torch.dtype, device: str) -> Plan:
+    """A segmentation model (labrun.deploy.segmentation): images in, per-pixel logits out,
+    batch, height and width dynamic; checked on the run's val images and an odd size."""
+    return Plan(**segmentation.plan(state, checkpoint, check_data, fmt, dtype, device,
+                                    build=build_model,
+                                    tolerance=TOLERANCE[str(dtype).removeprefix("torch.")]))
+
+
 def write_checked(plan: Plan, out: Path, fmt: str, exporter: str, opset: int,
                   dtype: torch.dtype, device: str, verbose: bool
                   ) -> tuple[str, dict[str, Any] | None]:
@@ -242,7 +250,7 @@ def write_checked(plan: Plan, out: Path, fmt: str, exporter: str, opset: int,
                         plan.report(check, name)
                     if not check["passed"]:
                         compared = "image(s)" if "images" in check else "token position(s)"
-                        raise LabrunError(
+                        raise LabrunError(check.get("failure") or  # the plan's own words
                             f"parity check failed: max abs diff {check['max_abs_diff']:.2e} > "
                             f"{check['tolerance']:.2e} or top-1 differs on "
                             f"{check['top1_mismatches']} {compared}")

@@ -6,8 +6,9 @@
     ...
     remove_folder(tmp)
 
-An image classifier's Predictor by default (`labrun predict`); with task=None, what the
-model's own task is served with (`labrun serve`): a LanguageModel for an export of task=lm.
+An image classifier's Predictor by default; with task=None, what the model's own task is served
+with (`labrun serve`, `labrun predict`): a LanguageModel for an export of task=lm, a Segmenter
+for one of task=segmentation (labrun.deploy.segmentation).
 
 This sits above both labrun.deploy.export and labrun.deploy.runtime, so that the runtime never
 needs the exporter (export's parity check runs the exported file through the runtime).
@@ -21,7 +22,10 @@ import zipfile
 from pathlib import Path
 
 from labrun.core.errors import LabrunError
-from labrun.deploy import lm, runtime
+from labrun.deploy import lm, runtime, segmentation
+from labrun.deploy.segmentation import Segmenter
+
+Model = runtime.Predictor | lm.LanguageModel | Segmenter  # what a MODEL argument becomes
 
 
 def is_torchscript_archive(path: Path) -> bool:
@@ -55,7 +59,7 @@ def export_for_inference(model: Path, folder: Path) -> Path:
 
 def load(model: str | Path, threads: int | None = None,
          task: str | None = runtime.CLASSIFICATION
-         ) -> tuple[runtime.Predictor | lm.LanguageModel, Path | None]:
+         ) -> tuple[Model, Path | None]:
     """The model of any MODEL argument, ready to answer, and the temp folder to delete
     afterwards (or None). `task`: the task it must be an export of (None: any)."""
     model = Path(model)
@@ -72,12 +76,13 @@ def load(model: str | Path, threads: int | None = None,
         raise
 
 
-def open_exported(path: Path, threads: int | None, task: str | None
-                  ) -> runtime.Predictor | lm.LanguageModel:
+def open_exported(path: Path, threads: int | None, task: str | None) -> Model:
     if task is None:
         task = runtime.task_of(runtime.read_metadata(path, task=None))
     if task == lm.TASK:
         return lm.LanguageModel(path, threads)
+    if task == segmentation.TASK:
+        return Segmenter(path, threads)
     return runtime.Predictor(path, threads)  # which refuses an export of another task
 
 

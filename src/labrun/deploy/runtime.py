@@ -211,7 +211,8 @@ class Predictor:
 # classifier's, as every export was before labrun exported language models (labrun.deploy.lm).
 CLASSIFICATION = "classification"
 REQUIRED_KEYS = {CLASSIFICATION: ("class_names", "image_size", "val_resize_ratio", "mean", "std"),
-                 "lm": ("vocab_size", "block_size", "tokenizer")}
+                 "lm": ("vocab_size", "block_size", "tokenizer"),
+                 "segmentation": ("class_names", "image_size", "eval_size", "mean", "std")}
 
 
 def task_of(meta: dict[str, Any]) -> str:

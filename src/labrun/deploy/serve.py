@@ -11,6 +11,12 @@ A language model's export (task=lm) answers POST /generate instead of /predict (
     POST /generate   JSON {"prompt", "max_tokens", "temperature", "seed"} -> {"text", "tokens",
                      "token_ids", "prompt_tokens", "seed"}   (labrun.deploy.lm says how)
 
+A segmentation model's export (task=segmentation) answers POST /predict with a mask instead
+(labrun.deploy.segmentation says how; /predict/batch: one such answer per file, with its filename):
+
+    POST /predict    multipart field `file` -> {"mask": PNG of class indices, as base64,
+                     "fractions": {class: share of the pixels}}
+
 MODEL is an exported .onnx or .pt file (with its metadata JSON), a run folder or a checkpoint
 (exported to ONNX in a temp folder first). Preprocessing is labrun.deploy.runtime's, the same as
 validation. A bad request (no file, not an image, truncated, too big, a path as filename) gets a
@@ -49,6 +55,7 @@ from labrun.core import probes
 from labrun.core.errors import LabrunError, one_line
 from labrun.deploy import batching, lm, load, serve_metrics
 from labrun.deploy import runtime as inference
+from labrun.deploy.segmentation import Prepared, Segmenter
 from labrun.deploy.upload_limit import UploadLimit
 
 log = logging.getLogger(__name__)
@@ -77,12 +84,9 @@ ENV_MODEL_CALLS = "LABRUN_SERVE_MODEL_CALLS"  # empty: batching.model_calls' def
 # On each answer: how many images the model call that answered it took (/predict/batch: one
 # number per file, in order), to see batching at work from a client.
 BATCH_SIZE_HEADER = "X-Batch-Size"
-# What a server answers with: an image classifier's Predictor or a LanguageModel (task=lm).
-ServedModel = inference.Predictor | lm.LanguageModel
-
-
-
-
+# What a server answers with: an image classifier's Predictor, a LanguageModel (task=lm) or a
+# Segmenter (task=segmentation).
+ServedModel = inference.Predictor | lm.LanguageModel | Segmenter
 
 
 def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1,
@@ -120,6 +124,8 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
             routes = "POST /generate"
         else:
             what = f"{predictor.num_classes} classes, {meta['image_size']} px"
+            if isinstance(predictor, Segmenter):
+                what = f"segmentation, {what}, eval_size={meta['eval_size']}"
             routes = "POST /predict, POST /predict/batch"
         log.info("serving %s (%s, %s; %d model calls at once on the %s, %d intra-op thread%s "
                  "each) on http://%s:%d  %s, GET /health, GET /metadata, GET /metrics", model,
@@ -239,8 +245,11 @@ def create_app(predictor: ServedModel, max_upload_bytes: int, *, max_batch: int 
     if isinstance(predictor, lm.LanguageModel):
         return create_lm_app(predictor, max_upload_bytes, model_calls=model_calls)
     # Every model call goes through the batcher, --max-batch 1 included (then one image a call).
-    batcher = batching.Batcher(lambda images: predictor.logits(torch.stack(images)),
-                               max_batch=max_batch, max_delay_ms=max_delay_ms,
+    # A segmenter's call stacks the images of each size (eval_size=fixed: one size, as here).
+    segmenter = isinstance(predictor, Segmenter)
+    run_batch = (predictor.masks if segmenter
+                 else lambda images: predictor.logits(torch.stack(images)))
+    batcher = batching.Batcher(run_batch, max_batch=max_batch, max_delay_ms=max_delay_ms,
                                model_calls=model_calls)
 
     @contextlib.asynccontextmanager
@@ -265,14 +274,24 @@ def create_app(predictor: ServedModel, max_upload_bytes: int, *, max_batch: int 
     # Decoding and preprocessing run per request in the thread pool, where the decoders release
     # the GIL, so concurrent requests use every core; a bad image fails its own request there,
     # before the batcher sees it. The model call is the batcher's.
-    def prepare(uploads: list[UploadFile], fields: list[str]) -> list[torch.Tensor]:
+    def prepare(uploads: list[UploadFile], fields: list[str]) -> list[Any]:
         return [read_upload(predictor, upload, field)
                 for upload, field in zip(uploads, fields, strict=True)]
+
+    async def segment(prepared: list[Prepared], response: Response) -> list[dict[str, Any]]:
+        """Each image's mask (the batcher's model call), then its answer in the thread pool:
+        the mask back at its picture's size, as a PNG."""
+        answers = await infer(batcher.submit_many([p.image for p in prepared]))
+        response.headers[BATCH_SIZE_HEADER] = ",".join(str(size) for _, size in answers)
+        return await run_in_threadpool(lambda: [
+            predictor.answer(mask, p.size) for (mask, _), p in zip(answers, prepared, strict=True)])
 
     @app.post("/predict")
     async def predict(file: Annotated[UploadFile, File(description="the image")],
                       response: Response, k: TopK = 5) -> dict[str, Any]:
         images = await run_in_threadpool(prepare, [file], ["file"])
+        if segmenter:  # {"mask", "fractions"}
+            return (await segment(images, response))[0]
         logits, batch_size = await infer(batcher.submit(images[0]))
         response.headers[BATCH_SIZE_HEADER] = str(batch_size)
         return {"top": predictor.top_k(logits[None], k)[0]}
@@ -285,6 +304,10 @@ def create_app(predictor: ServedModel, max_upload_bytes: int, *, max_batch: int 
                                      f"per batch")
         images = await run_in_threadpool(prepare, files,
                                          [f"files[{i}]" for i in range(len(files))])
+        if segmenter:
+            masks = await segment(images, response)
+            return {"results": [{"filename": f.filename, **answer}
+                                for f, answer in zip(files, masks, strict=True)]}
         answers = await infer(batcher.submit_many(images))
         response.headers[BATCH_SIZE_HEADER] = ",".join(str(size) for _, size in answers)
         tops = predictor.top_k(np.stack([logits for logits, _ in answers]), k)
@@ -293,7 +316,8 @@ def create_app(predictor: ServedModel, max_upload_bytes: int, *, max_batch: int 
 
     @app.post("/generate")
     def generate() -> None:
-        raise HTTPException(404, "this server serves an image classifier: POST /predict with "
+        what = "a segmentation model" if segmenter else "an image classifier"
+        raise HTTPException(404, f"this server serves {what}: POST /predict with "
                                  "multipart field 'file'; /generate answers on a server of a "
                                  "language model's export (task=lm)")
 
@@ -381,8 +405,9 @@ async def infer(pending):
         raise HTTPException(500, f"inference failed: {one_line(error)}") from None
 
 
-def read_upload(predictor: inference.Predictor, upload: UploadFile, field: str) -> torch.Tensor:
-    """The upload's image, prepared for the model (Predictor.prepare), or a 400 naming it."""
+def read_upload(predictor: inference.Predictor | Segmenter, upload: UploadFile, field: str
+                ) -> torch.Tensor | Prepared:
+    """The upload's image, prepared for the model (its prepare), or a 400 naming it."""
     name = upload.filename or ""
     if is_path_like(name):
         raise HTTPException(400, f"{field}: the filename must be a plain file name, not a "
