@@ -135,6 +135,28 @@ def test_three_job_sweep_is_one_array_and_runs_the_snapshot(tmp_path, python_doc
     assert result.stdout.count("completed") >= 3
 
 
+def test_a_segmentation_grid_runs_on_the_cluster_and_compare_ranks_it_by_mean_iou(tmp_path):
+    """task=segmentation's jobs (a tiny U-Net on dataset=shapes): judged by val/miou, the
+    task's own monitor, without naming it."""
+    result = run_sweep(tmp_path, "experiment=seg_shapes", "model.width=4", "model.depth=2",
+                       "dataset.num_train=32", "dataset.num_val=16", "trainer.batch_size=8",
+                       "trainer.max_epochs=2", "optimizer.lr=0.001,0.01")
+    assert result.returncode == 0, result.stdout + result.stderr
+    best = {}
+    for num in ("0", "1"):
+        summary = read_summary(tmp_path / num)
+        assert (summary["status"], summary["step"], summary["monitor"]) == (
+            "completed", 8, "val/miou")
+        best[num] = summary["best/val/miou"]
+    out = tmp_path / "runs.csv"
+    subprocess.run([LABRUN, "compare", str(tmp_path), "--csv", str(out)], check=True,
+                   capture_output=True)
+    rows = out.read_text().splitlines()
+    column = rows[0].split(",").index("best val/miou")
+    shown = [float(row.split(",")[column]) for row in rows[1:]]
+    assert shown == pytest.approx(sorted(best.values(), reverse=True), abs=1e-4)
+
+
 def test_two_task_ddp_job_trains_and_only_rank_0_writes(tmp_path):
     """A sweep over trainer.devices: each job gets its own tasks per node (two arrays)."""
     result = run_sweep(tmp_path, "trainer.devices=1,2", "trainer.max_epochs=1",

@@ -101,7 +101,8 @@ class CountHostSyncs(Callback):
 
 # 12 steps, a log point every 5: steps 1-4, 6-9 and 11 are between log points.
 STEPS = ["trainer.max_epochs=1", "trainer.limit_train_batches=12", "trainer.log_every_n_steps=5",
-         "trainer.limit_val_batches=1", "optimizer=sgd", "model.dropout=0"]
+         "trainer.limit_val_batches=1", "optimizer=sgd"]
+CNN = ["model.dropout=0"]
 
 
 # A tiny language model on CPython's docs (dataset=python_docs converts them into tmp_path).
@@ -109,13 +110,19 @@ LM = ["dataset=python_docs", "dataset.block_size=32", "model=gpt", "model.n_laye
       "model.n_head=2", "model.n_embd=32", "task=lm", "trainer.batch_size=16"]
 
 
+# A tiny U-Net on dataset=shapes (task=segmentation: a count of scored pixels, a confusion matrix).
+SEGMENTATION = ["experiment=seg_shapes", "model.width=4", "model.depth=2", "trainer.batch_size=8"]
+
+
 # One process in fp32 with gradient clipping, two (DDP) in bf16, and one in fp16 (GradScaler):
 # between them the step's paths that could sync (the loss and its non-finite check, autocast,
 # clipping's norm, the scaler, DDP's reduction), at a fraction of the cost of every pairing;
-# and the language-modelling task's (a count of scored tokens, a loss over them).
+# and the language-modelling task's (a count of scored tokens, a loss over them), and
+# segmentation's (a count of scored pixels).
 @pytest.mark.parametrize(("devices", "precision", "extra"), [
-    (1, "fp32", ["trainer.grad_clip=1.0"]), (2, "bf16", []), (1, "fp16", []), (1, "fp32", LM)],
-    ids=["fp32-clip", "ddp-bf16", "fp16", "lm"])
+    (1, "fp32", [*CNN, "trainer.grad_clip=1.0"]), (2, "bf16", CNN), (1, "fp16", CNN),
+    (1, "fp32", LM), (1, "fp32", SEGMENTATION)],
+    ids=["fp32-clip", "ddp-bf16", "fp16", "lm", "segmentation"])
 def test_no_host_sync_between_log_points(tmp_path, precision, devices, extra):
     extra = [*extra, f"paths.processed_dir={tmp_path / 'processed'}"]
     (tmp_path / "synccount.py").write_text(COUNTER)

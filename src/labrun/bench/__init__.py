@@ -1,6 +1,7 @@
 """`labrun bench <name>`: benchmarks that print side-by-side figures and ratios.
 
     labrun bench data [--root DIR] [--images N] [--json FILE] [--check]
+    labrun bench seg-data [--images N]  segmentation pairs: labrun vs torchvision v2 (seg_data.py)
     labrun bench trainer | startup | serve      (trainer.py, serve.py)
     labrun bench sweep [--jobs N]     submitting a held SLURM sweep (sweep.py)
     labrun bench dashboard [--runs N] compare and dashboard on N synthetic runs (dashboard.py)
@@ -48,6 +49,9 @@ def bench(name: str) -> tuple[Callable, Callable]:
 BENCHES: dict[str, tuple[str, str, str]] = {
     "data": ("labrun.bench.data", "_data",
              "data loading: torchvision baseline vs labrun imagefolder and hdf5 vs a ceiling"),
+    "seg-data": ("labrun.bench.seg_data", "_seg_data",
+                 "segmentation data loading: torchvision v2 on (Image, Mask) vs labrun "
+                 "segfolder, seg_hdf5 beside it"),
     "trainer": ("labrun.bench.trainer", "_trainer",
                 "Trainer vs a bare PyTorch loop on the same batches"),
     "startup": ("labrun.bench.trainer", "_startup",
