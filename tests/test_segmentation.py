@@ -195,6 +195,31 @@ def test_a_segmentation_folder_trains_at_fixed_size_and_scores_at_full_size(comp
     assert scored == 4 * 30 * 40  # the four 40x30 pairs' pixels; the padding and big.png: void
 
 
+def test_the_batched_decode_crops_masks_and_images_as_the_workers_do(composed, tmp_path):
+    """dataset.decode=cpu: the workers read bytes and crop the masks, this process decodes the
+    batch's JPEGs and crops them with the same boxes: masks equal to the workers path's, images
+    within the batched decode's tolerance (tests/test_data_decode_batched.py)."""
+    from test_data_decode_batched import TOLERANCE
+
+    root = seg_folder(tmp_path / "seg", count=12, size=(64, 48))
+    by_decode = {}
+    for decode in ("workers", "cpu"):
+        data = build_data(composed, root, "dataset.image_size=24", f"dataset.decode={decode}")
+        by_decode[decode] = [next(iter(data.loader(split, micro_batch_size=12, seed=3)))
+                             for split in ("train", "val")]
+    for (images, masks), (cpu_images, cpu_masks) in zip(*by_decode.values(), strict=True):
+        assert torch.equal(masks, cpu_masks.cpu())
+        # Drawn shapes' hard edges blur differently at a reduced DCT scale (the workers path)
+        # than decoded whole and resized in float (this one): twice the photos' tolerance,
+        # still well below a mirrored image's distance.
+        difference = (images.float() - cpu_images.float()).abs().mean(dim=(1, 2, 3))
+        mirrored = (images.float() - cpu_images.flip(3).float()).abs().mean(dim=(1, 2, 3))
+        assert difference.max() <= 2 * TOLERANCE, difference
+        assert (difference < mirrored / 2).all(), (difference, mirrored)
+    # And the masks moved with their images: not every sample kept the same crop.
+    assert not torch.equal(by_decode["cpu"][0][1], by_decode["cpu"][1][1])
+
+
 MASK_REFUSALS = {
     "a stem without its mask": ("no_mask", "has no mask: expected"),
     "a mask of another size": ("wrong_size", "its mask is 20x10 (width x height), the image 40x30"),

@@ -123,21 +123,31 @@ class ImageData:
                world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False
                ) -> DataLoader:
         """Train: shuffled per epoch, whole optimizer steps only. Eval: in order, every sample once."""
-        source = self.splits[split]
-        images = ImageDataset(source, self.transform(split), seed, split)
-        batched_decode = self.cfg.get("decode", "workers") != "workers"
-        loader = epoch_loader(batched.EncodedDataset(images) if batched_decode else images,
-                              train=split == "train", micro_batch_size=micro_batch_size,
-                              seed=seed, rank=rank, world_size=world_size,
-                              samples_per_step=samples_per_step,
-                              # batched: nvJPEG copies the bytes itself; nothing to pin
-                              pin_memory=pin_memory and not batched_decode,
-                              num_workers=self.cfg.num_workers, name=source.name,
-                              collate_fn=batched.collate if batched_decode else None)
-        if not batched_decode:
-            return loader
-        decoder = batched.BatchDecoder(images, batched.decode_device(self.cfg.decode))
-        return batched.DecodedLoader(loader, decoder)
+        images = ImageDataset(self.splits[split], self.transform(split), seed, split)
+        return images_loader(images, self.cfg, micro_batch_size=micro_batch_size, seed=seed,
+                             rank=rank, world_size=world_size,
+                             samples_per_step=samples_per_step, pin_memory=pin_memory)
+
+
+def images_loader(images: Dataset, cfg: DictConfig, *, micro_batch_size: int, seed: int,
+                  rank: int, world_size: int, samples_per_step: int, pin_memory: bool,
+                  collate_fn: Callable | None = None) -> DataLoader | batched.DecodedLoader:
+    """The loader of an ImageDataset or a SegDataset (labrun.data.segmentation): its samples
+    in EpochSampler's order, decoded in the workers, or with dataset.decode=cpu|cuda read there
+    and decoded a batch at a time in this process (batched.py)."""
+    batched_decode = cfg.get("decode", "workers") != "workers"
+    loader = epoch_loader(batched.EncodedDataset(images) if batched_decode else images,
+                          train=images.split == "train", micro_batch_size=micro_batch_size,
+                          seed=seed, rank=rank, world_size=world_size,
+                          samples_per_step=samples_per_step,
+                          # batched: nvJPEG copies the bytes itself; nothing to pin
+                          pin_memory=pin_memory and not batched_decode,
+                          num_workers=cfg.num_workers, name=images.source.name,
+                          collate_fn=batched.collate if batched_decode else collate_fn)
+    if not batched_decode:
+        return loader
+    decoder = batched.BatchDecoder(images, batched.decode_device(cfg.decode))
+    return batched.DecodedLoader(loader, decoder)
 
 
 class ImageDataset(Dataset):
@@ -159,6 +169,10 @@ class ImageDataset(Dataset):
             raise
         except Exception as error:
             raise self.error(index, error) from error
+
+    def target(self, index: int, size: tuple[int, int], box: Any) -> int:
+        """Sample `index`'s label, for the batched decode (batched.EncodedDataset)."""
+        return int(self.source.labels[index])
 
     def error(self, index: int, error: BaseException | str) -> DataError:
         """The one line for sample `index` that could not be loaded: which file, and why."""

@@ -103,8 +103,10 @@ def _warn_nvjpeg_missing(reason: str) -> None:
 
 
 class EncodedDataset(Dataset):
-    """(epoch, index) -> (index, label, JPEG bytes, Box), or (index, label, uint8 CxSxS, None)
-    for what the batched decode leaves to the workers path, `images` (an ImageDataset)."""
+    """(epoch, index) -> (index, target, JPEG bytes, Box), or (index, target, uint8 CxSxS,
+    None) for what the batched decode leaves to the workers path. `images`: an ImageDataset
+    (the target a label) or a SegDataset (labrun.data.segmentation: its mask, which the
+    worker crops and resizes itself with the same box, nearest-exact being cheap on the CPU)."""
 
     def __init__(self, images: Any):
         self.images = images
@@ -115,16 +117,17 @@ class EncodedDataset(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> tuple:
         epoch, index = key
         images = self.images
-        label = int(images.source.labels[index])
         try:
             data = images.source.read(index)
         except Exception as error:
             raise images.error(index, error) from error
         size = jpeg_size(data)
         if size is None:
-            return index, label, images[key][0], None
+            image, target = images[key]
+            return index, target, image, None
         rng = np.random.default_rng([images.seed, epoch, index])  # as ImageDataset draws it
-        return index, label, data, images.transform.box(*size, rng)
+        box = images.transform.box(*size, rng)
+        return index, images.target(index, size, box), data, box
 
 
 @dataclass
@@ -132,7 +135,7 @@ class EncodedBatch:
     """A batch as the workers hand it over: few tensors, each one shared-memory transfer."""
 
     indices: torch.Tensor  # int64 N: the samples, for error messages
-    labels: torch.Tensor  # int64 N
+    labels: torch.Tensor  # int64 N, or uint8 N x S x S masks
     data: torch.Tensor  # uint8: the batch's JPEGs end to end
     offsets: torch.Tensor  # int64 K + 1: JPEG k is data[offsets[k]:offsets[k + 1]]
     boxes: torch.Tensor  # int64 K x 5: top, left, height, width, flip
@@ -147,7 +150,9 @@ def collate(samples: list[tuple]) -> EncodedBatch:
     jpegs = [np.frombuffer(samples[i][2], dtype=np.uint8) for i in encoded]
     return EncodedBatch(
         indices=torch.tensor([sample[0] for sample in samples], dtype=torch.int64),
-        labels=torch.tensor([sample[1] for sample in samples], dtype=torch.int64),
+        labels=(torch.stack([sample[1] for sample in samples])
+                if isinstance(samples[0][1], torch.Tensor)
+                else torch.tensor([sample[1] for sample in samples], dtype=torch.int64)),
         data=torch.from_numpy(np.concatenate(jpegs) if jpegs else np.zeros(0, np.uint8)),
         offsets=torch.tensor(np.cumsum([0] + [len(jpeg) for jpeg in jpegs]), dtype=torch.int64),
         boxes=torch.tensor([samples[i][3] for i in encoded], dtype=torch.int64).view(-1, 5),
@@ -162,7 +167,7 @@ def collate(samples: list[tuple]) -> EncodedBatch:
 
 
 class BatchDecoder:
-    """EncodedBatch -> (uint8 N x 3 x S x S images, int64 labels), both on `device`."""
+    """EncodedBatch -> (uint8 N x 3 x S x S images, their labels or masks), both on `device`."""
 
     def __init__(self, images: Any, device: torch.device):
         self.images, self.device = images, device  # images: the ImageDataset, for errors

@@ -3,12 +3,17 @@ which the Trainer gets for them (labrun.data.build):
 
     SegData.info              class names, the mean and std images are normalised by, and the
                               mask value not scored (ignore_index)
-    SegData.loader(split...)  a DataLoader of uint8 NCHW images and uint8 NHW masks
+    SegData.loader(split...)  a DataLoader of uint8 NCHW images and uint8 NHW masks; with
+                              dataset.decode=cpu|cuda, the workers crop the masks and read the
+                              JPEGs, which this process decodes a batch at a time with the same
+                              boxes (data/image/batched.py), as for classification
 
 A format's loader returns {split: source}, each source with `dense = True` (what tells it from
 an image classification format's), and:
     name, class_names, __len__(), describe(i)   as an ImageSource's (data/image/sources.py)
     open(i) -> (image, mask)   uint8 HxWx3 pixels or a JpegImage; uint8 HxW class indices
+    holds_jpeg, read(i), mask(i)   optional: the image file's bytes and the mask apart, for
+                                   dataset.decode=cpu|cuda
 
 Images and masks are transformed together (transforms.py), with each sample's randomness from
 (seed, epoch, index), as for classification. A mask that does not fit its image, or holds a
@@ -25,11 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from labrun.core.errors import ConfigError, DataError
-from labrun.data import epoch_loader
-from labrun.data.segmentation.transforms import JointEval, JointTrain, PadCollate
+from labrun.data.image import batched, images_loader
+from labrun.data.image.transforms import Box
+from labrun.data.segmentation.transforms import JointEval, JointTrain, PadCollate, mask_box
 
 CHECKED_AT_START = 16  # pairs read when the data is built, spread over each split
 
@@ -38,11 +44,12 @@ def holds_masks(splits: dict[str, Any]) -> bool:
     return all(getattr(source, "dense", False) for source in splits.values())
 
 
-def check_pair(image: Any, mask: np.ndarray, num_classes: int, ignore_index: int) -> str | None:
-    """Why this image and mask cannot train, or None."""
-    if tuple(image.shape[:2]) != mask.shape[:2]:
+def check_pair(size: tuple[int, int], mask: np.ndarray, num_classes: int, ignore_index: int
+               ) -> str | None:
+    """Why an image of `size` (height, width) and this mask cannot train, or None."""
+    if tuple(size) != mask.shape[:2]:
         return (f"its mask is {mask.shape[1]}x{mask.shape[0]} (width x height), the image "
-                f"{image.shape[1]}x{image.shape[0]}; masks must match their image's size")
+                f"{size[1]}x{size[0]}; masks must match their image's size")
     wrong = (mask >= num_classes) & (mask != ignore_index)
     if wrong.any():
         return (f"its mask holds value {int(mask[wrong].max())}, but there are {num_classes} "
@@ -61,6 +68,16 @@ class Subset:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    @property
+    def holds_jpeg(self) -> bool:
+        return getattr(self.source, "holds_jpeg", False)
+
+    def read(self, index: int) -> bytes:
+        return self.source.read(int(self.indices[index]))
+
+    def mask(self, index: int) -> np.ndarray:
+        return self.source.mask(int(self.indices[index]))
 
     def open(self, index: int) -> tuple[Any, np.ndarray]:
         return self.source.open(int(self.indices[index]))
@@ -99,10 +116,11 @@ class SegData:
     def build(cls, splits: dict[str, Any], cfg: DictConfig) -> SegData:
         """The format's splits, val split off train where the format has none, each checked
         not empty, and a sample of each split's pairs checked."""
-        if cfg.get("decode", "workers") != "workers":
-            raise ConfigError(f"dataset.decode={cfg.decode} is for image classification; "
-                              f"segmentation decodes in the loader's workers: "
-                              f"dataset.decode=workers")
+        decode = cfg.get("decode", "workers")
+        if decode != "workers" and cfg.eval_size == "full":
+            raise ConfigError(f"dataset.decode={decode} decodes batches of one size, and "
+                              f"dataset.eval_size=full scores images at their own sizes; use "
+                              f"dataset.eval_size=fixed or dataset.decode=workers")
         if cfg.get("num_folds") and "val" in splits:
             raise DataError(f"dataset.num_folds={cfg.num_folds}: {splits['val'].name} is a val "
                             f"split of the format's own; folds split a dataset without one")
@@ -113,11 +131,14 @@ class SegData:
             if len(source) == 0:
                 raise DataError(f"{source.name}: the {split} split is empty; add images to it")
             for index in np.linspace(0, len(source) - 1, CHECKED_AT_START).astype(int):
-                data.check(source, int(index), *source.open(int(index)))
+                image, mask = source.open(int(index))
+                data.check(source, int(index), image.shape[:2], mask)
+        if decode != "workers":
+            batched.check(decode, splits)
         return data
 
-    def check(self, source: Any, index: int, image: Any, mask: np.ndarray) -> None:
-        problem = check_pair(image, mask, len(self.class_names), self.cfg.ignore_index)
+    def check(self, source: Any, index: int, size: tuple[int, int], mask: np.ndarray) -> None:
+        problem = check_pair(size, mask, len(self.class_names), self.cfg.ignore_index)
         if problem:
             raise DataError(f"{source.describe(index)}: {problem}")
 
@@ -139,15 +160,13 @@ class SegData:
 
     def loader(self, split: str, *, micro_batch_size: int, seed: int, rank: int = 0,
                world_size: int = 1, samples_per_step: int = 1, pin_memory: bool = False
-               ) -> DataLoader:
-        source = self.splits[split]
+               ) -> Any:
+        pairs = SegDataset(self, self.splits[split], self.transform(split), seed, split)
         full_size = split != "train" and self.cfg.eval_size == "full"
-        return epoch_loader(SegDataset(self, source, self.transform(split), seed, split),
-                            train=split == "train", micro_batch_size=micro_batch_size,
-                            seed=seed, rank=rank, world_size=world_size,
-                            samples_per_step=samples_per_step, pin_memory=pin_memory,
-                            num_workers=self.cfg.num_workers, name=source.name,
-                            collate_fn=PadCollate(self.cfg.ignore_index) if full_size else None)
+        return images_loader(pairs, self.cfg, micro_batch_size=micro_batch_size, seed=seed,
+                             rank=rank, world_size=world_size,
+                             samples_per_step=samples_per_step, pin_memory=pin_memory,
+                             collate_fn=PadCollate(self.cfg.ignore_index) if full_size else None)
 
 
 class SegDataset(Dataset):
@@ -168,7 +187,23 @@ class SegDataset(Dataset):
         except DataError:
             raise
         except Exception as error:
-            raise DataError(f"{self.split} sample {index} ({self.source.describe(index)}) "
-                            f"could not be loaded: {error}") from error
-        self.data.check(self.source, index, image, mask)
+            raise self.error(index, error) from error
+        self.data.check(self.source, index, image.shape[:2], mask)
         return self.transform(image, mask, rng)
+
+    def target(self, index: int, size: tuple[int, int], box: Box) -> torch.Tensor:
+        """The mask of sample `index`, whose image is `size`, through `box`: for the batched
+        decode (data/image/batched.py), which crops the image with the same box."""
+        try:
+            mask = self.source.mask(index)
+        except DataError:
+            raise
+        except Exception as error:
+            raise self.error(index, error) from error
+        self.data.check(self.source, index, size, mask)
+        out = self.transform.size
+        return mask_box(mask, box, out, out)
+
+    def error(self, index: int, error: BaseException | str) -> DataError:
+        return DataError(f"{self.split} sample {index} ({self.source.describe(index)}) could "
+                         f"not be loaded: {error}")

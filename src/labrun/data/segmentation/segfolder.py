@@ -12,6 +12,7 @@ data.segmentation.check_sample) and on every item as it is read, naming the file
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from PIL import Image
 
 from labrun.core.errors import DataError
 from labrun.data.image.decode import IMAGE_SUFFIXES, JpegImage, open_image, resolve
+from labrun.data.image.imagefolder import JPEG_SUFFIXES
 
 SPLITS = ("train", "val", "test")
 
@@ -107,9 +109,19 @@ class SegFolderSource:
     def __len__(self) -> int:
         return len(self.images)
 
+    @functools.cached_property
+    def holds_jpeg(self) -> bool:
+        """Whether any image is a JPEG file: only asked by dataset.decode=cpu|cuda."""
+        return any(os.path.splitext(f)[1].lower() in JPEG_SUFFIXES for f in self.images)
+
+    def read(self, index: int) -> bytes:
+        return Path(os.fsdecode(self.images[index])).read_bytes()
+
+    def mask(self, index: int) -> np.ndarray:
+        return read_mask(Path(os.fsdecode(self.masks[index])))
+
     def open(self, index: int) -> tuple[np.ndarray | JpegImage, np.ndarray]:
-        image = open_image(Path(os.fsdecode(self.images[index])).read_bytes(), self.decoder)
-        return image, read_mask(Path(os.fsdecode(self.masks[index])))
+        return open_image(self.read(index), self.decoder), self.mask(index)
 
     def describe(self, index: int) -> str:
         return os.fsdecode(self.images[index])

@@ -42,11 +42,15 @@ class JointTrain:
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: bool = True
 
+    def box(self, height: int, width: int, rng: np.random.Generator) -> Box:
+        """The crop and flip: the image transform's own draws, so that dataset.decode=cpu|cuda
+        (data/image/batched.py) crops exactly as the workers do."""
+        return ImageTrain(self.size, self.scale, self.ratio, self.hflip).box(height, width, rng)
+
     def __call__(self, image: Image, mask: np.ndarray, rng: np.random.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         image = as_rgb(image)
-        box = ImageTrain(self.size, self.scale, self.ratio, self.hflip).box(
-            image.shape[0], image.shape[1], rng)
+        box = self.box(image.shape[0], image.shape[1], rng)
         return apply_box(image, box, self.size), mask_box(mask, box, self.size, self.size)
 
 
@@ -57,14 +61,16 @@ class JointEval:
 
     size: int | None
 
+    def box(self, height: int, width: int, rng: np.random.Generator | None = None) -> Box:
+        return Box(0, 0, height, width, flip=False)
+
     def __call__(self, image: Image, mask: np.ndarray, rng: np.random.Generator | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         image = as_rgb(image)
         height, width = image.shape[:2]
         out_h, out_w = (self.size, self.size) if self.size else (height, width)
-        box = Box(0, 0, height, width, flip=False)
         return (resize_region(image, 0, 0, height, width, out_h, out_w),
-                mask_box(mask, box, out_h, out_w))
+                mask_box(mask, self.box(height, width), out_h, out_w))
 
 
 @dataclass
