@@ -152,8 +152,8 @@ def test_exports_give_the_eager_argmax_at_sizes_they_never_saw(seg_run, exports)
 
 def test_a_failed_parity_check_names_both_figures_and_writes_nothing(seg_run, tmp_path,
                                                                      monkeypatch):
-    # A tolerance nothing meets: the check must fail on the logits, and say so in one line.
-    monkeypatch.setitem(export.TOLERANCE, "float32", -1.0)
+    # An agreement no file reaches: the check must fail, and say both figures in one line.
+    monkeypatch.setattr(segmentation, "MIN_AGREEMENT", 1.01)
     with pytest.raises(Exception, match="argmax agrees on .* max abs logit diff") as error:
         export.export(seg_run, out=tmp_path / "m.torchscript.pt", fmt="torchscript",
                       check_data="random")
