@@ -15,11 +15,13 @@ from labrun import cli
 from labrun.bench import Target, judge, report
 from labrun.bench import dashboard as bench_dashboard
 from labrun.bench import data as bench_data
+from labrun.bench import seg_data as bench_seg_data
 from labrun.bench import serve as bench_serve
 from labrun.bench import sweep as bench_sweep
 from labrun.bench import trainer as bench_trainer
 from labrun.bench.dashboard import DASHBOARD_TARGETS
 from labrun.bench.data import DATA_TARGETS, FEEDS_TARGET
+from labrun.bench.seg_data import SEG_DATA_TARGETS
 from labrun.bench.serve import SERVE_TARGETS, serve_targets, serving_bound
 from labrun.bench.sweep import SWEEP_TARGETS
 from labrun.bench.trainer import STARTUP_TARGETS, TRAINER_TARGETS
@@ -143,7 +145,8 @@ def test_every_timed_target_is_a_ratio_against_a_baseline_of_the_same_run():
     what is left are counts (errors, SLURM queries)."""
     counts = {"errors", "queries_per_pass"}
     for target in [*DATA_TARGETS, FEEDS_TARGET, *TRAINER_TARGETS, *STARTUP_TARGETS,
-                   *serve_targets("cuda"), *SWEEP_TARGETS, *DASHBOARD_TARGETS]:
+                   *serve_targets("cuda"), *SWEEP_TARGETS, *DASHBOARD_TARGETS,
+                   *SEG_DATA_TARGETS]:
         assert target.of is not None or target.figure in counts, target
         assert not target.figure.endswith(("_s", "_ms")), target
 
@@ -186,6 +189,10 @@ def fake_benchmarks(monkeypatch, speedup: float, ratio: float, startup_ratio: fl
     """Every benchmark's run function replaced by one that returns injected figures."""
     monkeypatch.setattr(bench_data, "run_data", lambda args: judge(
         "data", data_figures(speedup, 0.9), DATA_TARGETS))
+    # The segmentation data benchmark's real run: tests/test_seg_data.py (shrunk); met here.
+    monkeypatch.setattr(bench_seg_data, "run_seg_data", lambda args: judge(
+        "seg-data", {"torchvision": 100.0, "segfolder": 200.0, "seg_hdf5": 200.0,
+                     "speedup": 2.0, "hdf5_speedup": 2.0}, SEG_DATA_TARGETS))
     monkeypatch.setattr(bench_trainer, "run_trainer", lambda args: judge(
         "trainer", {"bare": 100.0, "session": 100.0 * ratio, "ratio": ratio,
                     "lm_bare": 9000.0, "lm_session": 9000.0 * ratio, "lm_ratio": ratio},

@@ -16,8 +16,8 @@ from labrun.core.errors import LabrunError
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("labrun.cli.convert", "convert data: images to one HDF5 file, text to token "
-                "files"),
+    "convert": ("labrun.cli.convert", "convert data: images (or images and masks: convert seg) "
+                "to one HDF5 file, text to token files"),
     "resume": ("labrun.cli.rerun", "resume an interrupted run in its own folder"),
     "rerun": ("labrun.cli.rerun", "reproduce a run from scratch in a new folder"),
     "status": ("labrun.cli.status", "a sweep's or a run's jobs: state, metric, images/s or tokens/s, data wait, verdict"),

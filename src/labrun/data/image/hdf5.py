@@ -85,6 +85,9 @@ def _check(path: str, file: h5py.File) -> FileIndex:
     attrs = file.attrs
     if "labrun_format" not in attrs:
         raise fail("not a labrun dataset (no labrun_format attribute)")
+    if _text(attrs.get("kind", "")) == "segmentation":  # data/segmentation/hdf5.py's
+        raise DataError(f"{path} holds images and masks (labrun convert seg); read it with "
+                        f"dataset=seg_hdf5 task=segmentation")
     if int(attrs["labrun_format"]) != FORMAT:
         raise DataError(f"{path} has labrun_format={attrs['labrun_format']} but this labrun "
                         f"reads format {FORMAT}; convert the images again with this labrun")

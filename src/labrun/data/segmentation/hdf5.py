@@ -12,10 +12,12 @@
 Flat arrays plus offsets, as the image classification file (data/image/hdf5.py): a slice of a
 contiguous array reads in microseconds. Images are kept as their files' bytes, so a JPEG's
 training crop decodes only its region (decode.open_image -> JpegImage), as from the folder.
-Masks are kept as their PNG files: a 1024x768 mask of a few regions is ~7 KB as a PNG against
-786 KB raw (a file 100x larger for a few ms saved), and Pillow decodes it in ~2 ms, beside the
-~2 ms of the image's crop; the same bytes through segfolder.read_mask also give exactly the
-folder's masks. Nothing of a run's settings is stored (ignore_index, sizes): one file serves any.
+Masks are kept as their PNG files, for size: a 1024x768 mask of a few regions is ~10 KB as a
+PNG against 786 KB raw, so a file of raw masks would be mostly masks. The price is Pillow's
+decode, ~1.6 ms a mask (measured beside ~1.8 ms for the image's crop), where a raw mask's crop
+rows read in ~0.1 ms. The same bytes through segfolder.read_mask (palette PNGs, its checks) give
+exactly the folder's masks. Nothing of a run's settings is stored (ignore_index, sizes): one
+file serves any.
 
 Every pair is decoded once while converting, in parallel, so a corrupt file or a mask of
 another size than its image is refused now, naming it, rather than mid-run. The file is written
@@ -24,11 +26,13 @@ refused conversion leaves no OUT.h5 that a run could read.
 
 As for classification, each process opens the file on its first read and keeps it open (an
 HDF5 handle must not be used across a fork into the DataLoader workers); offsets are read once,
-at start-up, and shared with the workers.
+at start-up, and shared with the workers. A source reads a pair whole (open) or its image bytes
+and mask apart (read, mask: for dataset.decode=cpu|cuda), as segfolder's does.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import time
@@ -45,6 +49,7 @@ from labrun.core.files import atomic_path
 from labrun.data.image.convert import _human, _mapper, _progress  # one progress bar, one pool
 from labrun.data.image.decode import JpegImage, decode, open_image, resolve
 from labrun.data.image.hdf5 import open_file
+from labrun.data.image.imagefolder import JPEG_SUFFIXES
 from labrun.data.segmentation import segfolder
 
 FORMAT = 1
@@ -290,25 +295,38 @@ class SegHDF5Source:
         # Never pickle a handle (spawned workers): the receiver opens its own.
         return {**self.__dict__, "_file": None, "_images": None, "_masks": None, "_pid": None}
 
-    def read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """(image bytes, mask PNG bytes) of pair `index`, as stored."""
+    @functools.cached_property
+    def holds_jpeg(self) -> bool:
+        """Whether any image is a JPEG file (by its name, as segfolder's): only asked by
+        dataset.decode=cpu|cuda."""
+        return any(os.path.splitext(name)[1].lower().encode() in JPEG_SUFFIXES
+                   for name in self.names)
+
+    def _open_here(self) -> None:
         if self._pid != os.getpid():  # first read in this process, or a forked copy of a handle
             self._file = open_file(self.path)
             group = self._file[self.split]
             self._images, self._masks, self._pid = group["images"], group["masks"], os.getpid()
-        images, masks = self.image_offsets, self.mask_offsets
-        return (self._images[images[index]:images[index + 1]],
-                self._masks[masks[index]:masks[index + 1]])
+
+    def read(self, index: int) -> np.ndarray:
+        """Image `index`'s file bytes, as stored."""
+        self._open_here()
+        return self._images[self.image_offsets[index]:self.image_offsets[index + 1]]
+
+    def mask(self, index: int) -> np.ndarray:
+        """uint8 HxW: mask `index`, decoded from its PNG."""
+        self._open_here()
+        stored = self._masks[self.mask_offsets[index]:self.mask_offsets[index + 1]]
+        return segfolder.read_mask(_Named(stored, f"{self.describe(index)}'s mask"))
 
     def open(self, index: int) -> tuple[np.ndarray | JpegImage, np.ndarray]:
-        image, mask = self.read(index)
         try:
-            image = open_image(image, self.decoder)
+            image = open_image(self.read(index), self.decoder)
         except Exception as error:
             raise DataError(f"{self.describe(index)} could not be decoded ({one_line(error)}); "
                             f"convert the folder again: labrun convert seg SRC_DIR {self.path} "
                             f"--force") from error
-        return image, segfolder.read_mask(_Named(mask, f"{self.describe(index)}'s mask"))
+        return image, self.mask(index)
 
     def describe(self, index: int) -> str:
         return f"{self.path}: {self.split} sample {index} ({self.names[index]})"

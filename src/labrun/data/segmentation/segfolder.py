@@ -88,7 +88,7 @@ def read_mask(path: Path) -> np.ndarray:
         if mask.mode not in ("L", "P", "I;16", "I"):
             raise DataError(f"{path} is a {mask.mode} image; a mask holds one class index per "
                             f"pixel (a grey or palette PNG)")
-        values = np.asarray(mask)
+        values = np.array(mask)  # a copy, writable: torch.from_numpy warns of read-only ones
     if values.max(initial=0) > 255:
         raise DataError(f"{path} holds value {int(values.max())}; masks hold class indices "
                         f"up to 255")
