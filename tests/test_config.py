@@ -25,6 +25,11 @@ GROUPS = ["dataset", "model", "optimizer", "schedule", "precision", "cluster", "
 # Options that need a path or a name before they can validate.
 REQUIRED = {"dataset/imagefolder": ["dataset.root={tmp}"], "dataset/hdf5": ["dataset.path={tmp}"],
             "dataset/tokens": ["dataset.path={tmp}"], "model/torchvision": ["model.name=resnet18"],
+            # Datasets of masks train under task=segmentation, which refuses the rest.
+            "dataset/shapes": ["task=segmentation"],
+            "dataset/segfolder": ["dataset.root={tmp}", "task=segmentation"],
+            "dataset/seg_hdf5": ["dataset.path={tmp}", "task=segmentation"],
+            "model/torchvision_seg": ["model.name=lraspp_mobilenet_v3_large"],
             # Its weights are fetched by the run itself here: no cache holds them.
             "experiment/finetune_resnet18": ["dataset.root={tmp}", "model.download=true"]}
 
