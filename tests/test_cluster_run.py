@@ -131,7 +131,7 @@ def test_a_single_run_goes_to_the_cluster_and_reports_back_like_a_local_run(tmp_
                            timeout=120, cwd=PROJECT)
     assert rerun.stdout.split()[1:3] == [str(PROJECT / "train.py"), "cluster=slurm_dev"], rerun
     # `labrun dashboard RUN_DIR` takes it too (its files beside the run's, in .dashboard/).
-    from labrun.runs import dashboard
+    from labrun.views import dashboard
 
     assert dashboard.prepare(run_dir, port=0).what.startswith("1 runs by")
 

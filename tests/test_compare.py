@@ -17,7 +17,7 @@ import yaml
 from PIL import Image
 
 from conftest import FAST, PROJECT, PYTHON, run_labrun, start_dashboard, stop_dashboard
-from labrun.runs import compare, compare_output
+from labrun.views import compare, compare_output
 
 LRS = ("0.0003", "0.003", "0.03")  # spans 100x: the metric-vs-lr panel has a log x-axis
 

@@ -14,9 +14,9 @@ import yaml
 
 from conftest import PROJECT
 from labrun import cli
-from labrun.config.review import _changes, review
-from labrun.config.review_render import MARKER, markdown
 from labrun.core.secrets import REDACTED
+from labrun.review.review import _changes, review
+from labrun.review.review_render import MARKER, markdown
 
 # What a review composes: the defaults, every preset in conf/experiment/, and the override list
 # the fixture writes into conf/review.yaml.

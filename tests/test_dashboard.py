@@ -20,8 +20,8 @@ from tensorboard.plugins.hparams import metadata
 from conftest import run_labrun
 from labrun.bench.dashboard import make_runs, make_study
 from labrun.core.errors import LabrunError
-from labrun.runs import compare, compare_output, dashboard
 from labrun.runs.sweepdir import SweepDir, open_storage
+from labrun.views import compare, compare_output, dashboard
 
 SPREAD_OVER_WORKERS = True  # no test here shares a fixture with another
 

@@ -1,4 +1,4 @@
-"""Every training run serves Prometheus metrics over HTTP (track/metrics_endpoint.py): real runs
+"""Every training run serves Prometheus metrics over HTTP (monitoring/metrics_endpoint.py): real runs
 scraped while they train, a fixed port that is taken, monitor.enabled=false, two runs side by
 side, `cluster=lab` on a machine without a SLURM controller; config mistakes in-process.
 
@@ -22,15 +22,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import start_train, wait_for
 from labrun.cli.hydra_app import user_error_message
 from labrun.config import validation
-from labrun.runs.rundir import RunDir
-from labrun.track import metrics_endpoint
-from labrun.track.metrics_endpoint import (
+from labrun.monitoring import metrics_endpoint
+from labrun.monitoring.metrics_endpoint import (
     FAMILIES,
     GPU_FAMILIES,
     Endpoint,
     RunCollector,
     TrainingStats,
 )
+from labrun.runs.rundir import RunDir
 
 # Long enough to outlive the module's tests (they stop it): 4 steps and 1 validation batch an
 # epoch, so that every family has a value after the first epoch.

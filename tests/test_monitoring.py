@@ -81,9 +81,7 @@ def test_every_alert_fires_on_its_case_and_stays_silent_on_healthy_runs():
 
 def declared_metrics() -> set[str]:
     """Every series name labrun's own endpoints can expose."""
-    from labrun.deploy import serve_metrics
-    from labrun.launch import queue_exporter
-    from labrun.track import metrics_endpoint
+    from labrun.monitoring import metrics_endpoint, queue_exporter, serve_metrics
 
     names = (set(metrics_endpoint.FAMILIES) | set(serve_metrics.FAMILIES)
              | set(queue_exporter.QUEUE_FAMILIES))
@@ -260,7 +258,7 @@ def test_monitor_queue_refuses_a_cache_that_would_load_the_controller():
 
 
 def test_a_config_prometheus_rejects_fails_with_its_own_error(tmp_path):
-    from labrun.deploy import prometheus
+    from labrun.monitoring import prometheus
 
     tool("prometheus")
     config = tmp_path / "bad.yml"

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from conftest import LABRUN, read_metrics, start_train, wait_for
-from labrun.deploy import prometheus
 from labrun.deploy.served import serving
+from labrun.monitoring import prometheus
 from labrun.runs.rundir import RunDir
 
 # A run that trains one long epoch until the test stops it: synthetic images (no data to

@@ -20,8 +20,7 @@ import pytest
 from test_cluster_slurm import slurm  # noqa: F401 - the fixture that fails without a cluster
 
 from conftest import LABRUN, PROJECT
-from labrun.deploy import prometheus
-from labrun.launch import queue_exporter
+from labrun.monitoring import prometheus, queue_exporter
 
 pytestmark = pytest.mark.slurm
 

@@ -208,8 +208,8 @@ def test_labrun_status_asks_the_scheduler_once_for_every_unfinished_job(held_job
                                                                         tmp_path):
     """A detached sweep's jobs.json with 50 jobs still waiting: `labrun status` shows each as
     pending from one query."""
-    from labrun.runs import status
     from labrun.runs.sweepdir import Job, SweepDir
+    from labrun.views import status
 
     jobs = [Job(num=n, overrides=[f"seed={n}"], dir=str(tmp_path / str(n)), state="submitted",
                 job_id=job_id) for n, job_id in enumerate(held_jobs)]

@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import PROJECT, digit_jpeg
-from labrun.deploy.serve_metrics import FAMILIES
 from labrun.deploy.served import serving
+from labrun.monitoring.serve_metrics import FAMILIES
 
 REQUESTS = "labrun_serve_requests_total"
 COUNT = "labrun_serve_request_duration_seconds_count"

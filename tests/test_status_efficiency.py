@@ -149,8 +149,8 @@ def test_a_run_folder_alone(sweep_dir, capsys):
 
 
 def test_the_runs_own_threshold_decides(sweep_dir, tmp_path):
-    from labrun.runs.efficiency import measure
     from labrun.runs.rundir import RunDir
+    from labrun.views.efficiency import measure
 
     # The same figures, with a run config whose threshold lies just above the run's wait.
     before = measure(RunDir(sweep_dir / "1"))
@@ -195,8 +195,8 @@ def train_point(step: int, epoch: int, rate: float, wait: float, gpu: float | No
 
 
 def test_the_latest_epoch_without_its_first_window_weighed_by_duration(tmp_path):
-    from labrun.runs.efficiency import measure
     from labrun.runs.rundir import RunDir
+    from labrun.views.efficiency import measure
 
     rows = [train_point(10, 0, 100.0, 0.9), train_point(20, 0, 100.0, 0.9),
             {"step": 20, "epoch": 0, "val/acc": 0.5},  # a validation point: no perf/
@@ -213,8 +213,8 @@ def test_the_latest_epoch_without_its_first_window_weighed_by_duration(tmp_path)
 
 
 def test_gpu_idle_underused_and_healthy_from_gpu_utilisation(tmp_path):
-    from labrun.runs.efficiency import measure
     from labrun.runs.rundir import RunDir
+    from labrun.views.efficiency import measure
 
     def verdict(name: str, wait: float, gpu: float, config: dict | None = None):
         rows = [train_point(10, 0, 500.0, wait, gpu), train_point(20, 0, 500.0, wait, gpu)]
@@ -245,8 +245,8 @@ def test_gpu_idle_underused_and_healthy_from_gpu_utilisation(tmp_path):
 
 
 def test_an_image_folder_run_is_told_to_convert_to_hdf5(tmp_path):
-    from labrun.runs.efficiency import measure
     from labrun.runs.rundir import RunDir
+    from labrun.views.efficiency import measure
 
     rows = [train_point(10, 0, 90.0, 0.62), train_point(20, 0, 90.0, 0.62)]
     config = {"dataset": {"_target_": "labrun.data.image.imagefolder.load", "root": "/data/pets",

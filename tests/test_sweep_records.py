@@ -16,9 +16,9 @@ from omegaconf import OmegaConf
 from labrun.core.scheduler import LocalScheduler
 from labrun.launch.sweep import attach, completed_with_same_config
 from labrun.runs import lock as run_lock
-from labrun.runs import status
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, SweepDir
+from labrun.views import status
 
 
 def completed_run(run_dir: Path, cfg) -> None:

@@ -4,7 +4,7 @@ Each timed figure is judged as a ratio against a baseline doing the same work in
     compare        `labrun compare DIR --csv F`, the whole command, against reading the same
                    files alone (summary.json, metrics.jsonl, .hydra/*.yaml): compare_ratio
     first write    `labrun dashboard DIR --prepare-only` on a fresh folder: every run's HParams
-                   summary written (runs/hparams.py), against torch.utils.tensorboard's
+                   summary written (track/hparams.py), against torch.utils.tensorboard's
                    SummaryWriter writing the same HParams and scalars for the same runs, read
                    the same way: first_write_ratio
     second start   the same again: what labrun does before the tool itself starts, every run
@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list[Verdict]:
     from labrun.bench import write_json
-    from labrun.runs import dashboard
+    from labrun.views import dashboard
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "sweep"
@@ -121,11 +121,12 @@ def stat_files(root: Path) -> None:
 def summary_writer_hparams(root: Path, out: Path) -> None:
     """The first write's baseline: the runs read as labrun reads them (compare.rank), then
     torch.utils.tensorboard's SummaryWriter writing each run's scalars and its HParams (the
-    same keys, values, status and best/final metric as runs/hparams.py writes)."""
+    same keys, values, status and best/final metric as track/hparams.py writes)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from labrun.runs import compare, hparams
     from labrun.runs.rundir import ROW_BOOKKEEPING, is_metric_value
+    from labrun.track import hparams
+    from labrun.views import compare
 
     ranked = compare.rank(compare.find_runs([root]), None)
     numeric = hparams.numeric_keys(ranked.runs, ranked.keys)

@@ -69,14 +69,14 @@ def configure_trainer(parser: argparse.ArgumentParser) -> None:
 
 
 class _Scraper:
-    """The session's metrics endpoint (track/metrics_endpoint.py) and a thread scraping it every
+    """The session's metrics endpoint (monitoring/metrics_endpoint.py) and a thread scraping it every
     second, 15x Prometheus's default interval: what monitoring costs the loop."""
 
     def __init__(self, session, run_dir: Path):
         import threading
         import urllib.request
 
-        from labrun.track import metrics_endpoint
+        from labrun.monitoring import metrics_endpoint
 
         self.endpoint = metrics_endpoint.Endpoint.start(
             session.folder, node_rank=0, exports=("run", "gpus"),

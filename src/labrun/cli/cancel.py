@@ -1,5 +1,5 @@
 """`labrun cancel SWEEP_DIR|RUN_DIR`: cancel a sweep's waiting and running jobs, or a run,
-from any terminal (labrun.runs.cancel)."""
+from any terminal (labrun.views.cancel)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    from labrun.runs import cancel
     from labrun.runs.sweepdir import num_ranges
+    from labrun.views import cancel
 
     cancelled = cancel.cancel(args.path)
     print(f"cancelled {len(cancelled)} jobs of {args.path}" +

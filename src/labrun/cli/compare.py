@@ -1,4 +1,4 @@
-"""`labrun compare SWEEP_DIR|RUN_DIR...`: the arguments; the work is labrun.runs.compare's."""
+"""`labrun compare SWEEP_DIR|RUN_DIR...`: the arguments; the work is labrun.views.compare's."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from labrun.runs import aggregate, compare
+    from labrun.views import aggregate, compare
 
     if args.over:
         aggregate.compare_over(args.paths, args.over, metric=args.metric, mode=args.mode,

@@ -1,8 +1,8 @@
 """`labrun configs check`, `labrun configs diff A B` and `labrun configs review [BASE]`: config
 review for pull requests.
 
-The arguments only; the work is labrun.config.check, labrun.config.diff and
-labrun.config.review.
+The arguments only; the work is labrun.review.check, labrun.review.diff and
+labrun.review.review.
 """
 
 from __future__ import annotations
@@ -95,14 +95,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "check":
-        from labrun.config.check import check
+        from labrun.review.check import check
 
         return check(args.config_dir, args.config_name)
     if args.action == "review":
-        from labrun.config.review_cli import run_review
+        from labrun.review.review_cli import run_review
 
         return run_review(args.repo, args.base, args.head, args.config_name,
                           markdown=args.markdown, json_file=args.json)
-    from labrun.config.diff import diff
+    from labrun.review.diff import diff
 
     return diff(args.a, args.b, args.config_dir, args.config_name, include_paths=args.paths)

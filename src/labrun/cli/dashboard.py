@@ -1,4 +1,4 @@
-"""`labrun dashboard SWEEP_DIR|RUN_ROOT`: the arguments; the work is labrun.runs.dashboard's."""
+"""`labrun dashboard SWEEP_DIR|RUN_ROOT`: the arguments; the work is labrun.views.dashboard's."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from labrun.runs import dashboard
+    from labrun.views import dashboard
 
     plan = dashboard.prepare(args.path, port=args.port, bind=args.bind, metric=args.metric)
     if args.prepare_only:

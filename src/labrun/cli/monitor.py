@@ -1,8 +1,8 @@
 """`labrun monitor targets`, `labrun monitor queue` and `labrun monitor up`: Prometheus for
 labrun's runs and for the cluster's queue.
 
-The arguments and the refresh loop; discovery is labrun.runs.targets's, the queue exporter
-labrun.launch.queue_exporter's, the Prometheus process labrun.deploy.prometheus's, and the
+The arguments and the refresh loop; discovery is labrun.monitoring.targets's, the queue exporter
+labrun.monitoring.queue_exporter's, the Prometheus process labrun.monitoring.prometheus's, and the
 shipped configuration is in monitoring/ (docs/monitoring.md).
 """
 
@@ -102,7 +102,7 @@ def _roots(given: list[Path] | None) -> list[Path]:
 
 def refresh(roots: list[Path], out: Path) -> int:
     """Discover and write the target file; the number of targets."""
-    from labrun.runs.targets import discover, write_file_sd
+    from labrun.monitoring.targets import discover, write_file_sd
 
     found = discover(roots)
     if write_file_sd(found, out):
@@ -132,7 +132,7 @@ def run_targets(args: argparse.Namespace) -> int:
 
 
 def run_queue(args: argparse.Namespace) -> int:
-    from labrun.launch import queue_exporter
+    from labrun.monitoring import queue_exporter
 
     if args.cache < queue_exporter.MIN_CACHE_S:
         raise LabrunError(f"--cache {args.cache:g}: give {queue_exporter.MIN_CACHE_S:g} seconds "
@@ -172,7 +172,7 @@ def _queue_exporter_if_slurm():
     (its server, HOST:PORT), else (None, None)."""
     from labrun.core import probes
     from labrun.core.scheduler import SlurmScheduler
-    from labrun.launch import queue_exporter
+    from labrun.monitoring import queue_exporter
 
     try:
         SlurmScheduler().partitions()
@@ -183,7 +183,7 @@ def _queue_exporter_if_slurm():
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from labrun.deploy import prometheus
+    from labrun.monitoring import prometheus
 
     prometheus.binary()  # missing: one line naming the install, before anything is written
     _positive(args.refresh, "--refresh")

@@ -1,5 +1,5 @@
 """`labrun resume RUN_DIR` and `labrun rerun RUN_DIR [--exec]`: the arguments; the work is
-labrun.runs.rerun's."""
+labrun.views.rerun's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def configure(parser, name: str) -> None:
 
 
 def run(args) -> int:
-    from labrun.runs import rerun
+    from labrun.views import rerun
 
     if args.command == "resume":
         return rerun.resume(args.run_dir, args.extra)

@@ -1,5 +1,5 @@
 """`labrun status SWEEP_DIR|RUN_DIR [--json] [--wait]`: the arguments; the table is
-labrun.runs.status's."""
+labrun.views.status's."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    from labrun.runs import status
+    from labrun.views import status
 
     if args.wait:
         return status.wait(args.path)

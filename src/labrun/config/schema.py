@@ -98,7 +98,7 @@ class DistributedConfig:
 
 @dataclass
 class MonitorConfig:
-    """The run's Prometheus endpoint (track/metrics_endpoint.py) and the thresholds `labrun
+    """The run's Prometheus endpoint (monitoring/metrics_endpoint.py) and the thresholds `labrun
     status` judges a job's efficiency by. Watching a run changes nothing it computes."""
 
     enabled: bool = True  # serve /metrics while training (monitor/node-N.json says where)

@@ -4,7 +4,7 @@
     POST /predict/batch?k=5   multipart fields `files` -> {"results": [{"filename", "top"}, ...]}
     GET  /health              {"status": "ok", ...}
     GET  /metadata            the metadata JSON written by `labrun export`
-    GET  /metrics             Prometheus metrics, of all --workers (labrun.deploy.serve_metrics)
+    GET  /metrics             Prometheus metrics, of all --workers (labrun.monitoring.serve_metrics)
 
 A language model's export (task=lm) answers POST /generate instead of /predict (create_lm_app):
 
@@ -53,10 +53,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from labrun.core import probes
 from labrun.core.errors import LabrunError, one_line
-from labrun.deploy import batching, lm, load, serve_metrics
+from labrun.deploy import batching, lm, load
 from labrun.deploy import runtime as inference
 from labrun.deploy.segmentation import Prepared, Segmenter
 from labrun.deploy.upload_limit import UploadLimit
+from labrun.monitoring import serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +390,7 @@ def new_app(predictor: ServedModel, lifespan) -> FastAPI:
 
 
 def outer_layers(app: FastAPI, predictor: ServedModel, max_upload_bytes: int):
-    """The app inside its upload limit, inside its metrics (labrun.deploy.serve_metrics)."""
+    """The app inside its upload limit, inside its metrics (labrun.monitoring.serve_metrics)."""
     return serve_metrics.ServeMetrics(UploadLimit(app, max_upload_bytes), app.routes,
                                       model=predictor.model_path.name,
                                       model_format=predictor.metadata["format"])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labrun.core.errors import LabrunError
-from labrun.deploy.serve_metrics import METRICS_PATH
+from labrun.monitoring.serve_metrics import METRICS_PATH
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Served:
 
     @property
     def metrics_url(self) -> str:
-        """Where Prometheus scrapes the server (labrun.deploy.serve_metrics)."""
+        """Where Prometheus scrapes the server (labrun.monitoring.serve_metrics)."""
         return f"{self.url}{METRICS_PATH}"
 
 

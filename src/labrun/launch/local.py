@@ -38,7 +38,6 @@ from labrun.core.errors import ConfigError
 from labrun.core.scheduler import LocalScheduler
 from labrun.launch import sweep
 from labrun.runs import lock as run_lock
-from labrun.runs.cancel import stop
 from labrun.runs.sweepdir import Job, read_result, submitit_result
 
 log = logging.getLogger(__name__)
@@ -135,7 +134,7 @@ class LocalLauncher(sweep.SweepLauncher):
         log.warning("interrupted: stopping %d running jobs (each saves a checkpoint)",
                     len(started))
         for job in started:
-            stop(job)  # SIGTERM, to its controller or else to the process holding its folder
+            stop_job(job)
         for job in started:
             handle, _ = machine.running.pop(job.num)
             while not handle.done():
@@ -302,3 +301,16 @@ def _output_to(log_path: str):
         for fd, copy_of_it in zip((1, 2), saved, strict=True):
             os.dup2(copy_of_it, fd)
             os.close(copy_of_it)
+
+
+def stop_job(job: Job) -> None:
+    """SIGTERM to a local job: to its controller, which passes it on (submitit's own cancel
+    sends SIGINT, on which the controller kills the job a second later, too soon for a
+    checkpoint), or, where the controller is gone, to the process holding its run folder."""
+    if LocalScheduler().job_alive(job.job_id or ""):
+        LocalScheduler().cancel([job.job_id])
+        return
+    holder = run_lock.live_holder(job.run_dir.lock_path)
+    if holder is not None and holder.pid != os.getpid():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(holder.pid, signal.SIGTERM)

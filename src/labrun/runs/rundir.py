@@ -15,7 +15,7 @@
                               split, metrics (never in metrics.jsonl or summary.json)
       errors/rank-N.txt       how a rank other than 0 failed
       ranks/rank-N.json       which process each rank was and the steps it took
-      monitor/node-N.json     where node N's Prometheus endpoint listens (track.metrics_endpoint)
+      monitor/node-N.json     where node N's Prometheus endpoint listens (monitoring.metrics_endpoint)
       .lock                   who trains here now (runs.lock owns its content)
 
 Writers: only global rank 0 writes summary.json and metrics.jsonl (`writer=False` on the other
@@ -291,7 +291,7 @@ class RunDir:
     # -- monitor/ ----------------------------------------------------------------------------
     def write_monitor_endpoint(self, node_rank: int, endpoint: dict[str, Any]) -> None:
         """monitor/node-N.json: where node N's metrics endpoint listens (its content is
-        track.metrics_endpoint's, the contract in docs/ARCHITECTURE.md). Written by the rank
+        monitoring.metrics_endpoint's, the contract in docs/ARCHITECTURE.md). Written by the rank
         that serves it, which is not always rank 0: like ranks/, whatever `writer` says."""
         self._ensure_owner()
         self.monitor_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@
                       `attempts`, the earlier ones, so a job submitted again loses no record
       0/, 1/, ...     one run folder per job (RunDir)
       optuna.journal  an Optuna study's storage (hparams_search=optuna; open_storage)
-      .dashboard/     `labrun dashboard`'s own files (runs/dashboard.py)
+      .dashboard/     `labrun dashboard`'s own files (views/dashboard.py)
 
 The launchers (labrun.launch) write jobs.json as jobs start and end; `labrun status` reads it.
 Each job's outcome comes from its own run folder (read_result), never from the launcher's
@@ -33,7 +33,7 @@ from labrun.core.files import write_json_atomic
 from labrun.runs.rundir import RunDir
 
 if TYPE_CHECKING:
-    from labrun.runs.efficiency import Efficiency
+    from labrun.views.efficiency import Efficiency
 
 MANIFEST = "jobs.json"
 # The summary.json statuses of a run that has ended ("pruned": an Optuna search stopped it early,
@@ -342,3 +342,16 @@ def _efficiency_cells(figures: Efficiency, unit: str | None) -> list[str]:
         rate = f"{rate} {figures.unit}"
     verdict = f"[{VERDICT_STYLE.get(figures.verdict, '')}]{figures.verdict}"
     return [rate, percent(figures.data_wait_frac), percent(figures.gpu_util), verdict]
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, str]:
+    """`optimizer.lr=0.01` -> {"optimizer.lr": "0.01"}. Hydra's own settings and the plumbing
+    of an Optuna trial's pruning callback (its storage, study and trial number) are left out:
+    neither is something a person varied."""
+    parsed = {}
+    for override in overrides:
+        key, _, value = str(override).partition("=")
+        key = key.lstrip("+")
+        if not key.startswith(("hydra.", f"{TRIAL_CALLBACK}.")):
+            parsed[key] = value
+    return parsed

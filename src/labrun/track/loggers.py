@@ -22,10 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from labrun.core import probes
 from labrun.core.errors import one_line
 from labrun.data import call_target
-from labrun.runs.compare import parse_overrides
-from labrun.runs.hparams import hparam_value, metric_tags
 from labrun.runs.rundir import RunDir, is_metric_value
+from labrun.runs.sweepdir import parse_overrides
 from labrun.track import wandb_history
+from labrun.track.hparams import hparam_value, metric_tags
 
 log = logging.getLogger(__name__)
 

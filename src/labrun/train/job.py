@@ -26,10 +26,11 @@ from labrun.config import facts, validation
 from labrun.core import environment
 from labrun.core.errors import ConfigError, LabrunError, RunInterrupted, one_line
 from labrun.core.project import PROJECT_DIR
+from labrun.monitoring import metrics_endpoint
 from labrun.runs import lock as run_lock
 from labrun.runs import provenance
 from labrun.runs.rundir import RunDir
-from labrun.track import console, metrics_endpoint
+from labrun.track import console
 from labrun.track import loggers as tracking
 from labrun.train import distributed, initial_weights
 from labrun.train.checkpoint import CheckpointManager

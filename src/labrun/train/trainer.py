@@ -34,9 +34,9 @@ from labrun.core import environment
 from labrun.core.errors import LabrunError, RunInterrupted, one_line
 from labrun.data import Data
 from labrun.models import unwrap
+from labrun.monitoring.metrics_endpoint import GpuPoller, TrainingStats
 from labrun.runs.rundir import RunDir
 from labrun.track.loggers import NoTracker, Tracker
-from labrun.track.metrics_endpoint import GpuPoller, TrainingStats
 from labrun.train import callbacks as callback_registry
 from labrun.train import checkpoint as ckpt
 from labrun.train import fine_tuning, run_state

@@ -5,7 +5,7 @@
                    optuna-dashboard can write to a study (notes, a trial told by hand, a study
                    deleted), and what it writes must never reach the study the sweeper runs.
                    A database storage (sqlite:///, postgresql://) is copied once, at start.
-    anything else  TensorBoard on HParams summaries that runs/hparams.py writes from the run
+    anything else  TensorBoard on HParams summaries that track/hparams.py writes from the run
                    folders into SWEEP/.dashboard/tensorboard/ (whatever logger they used).
 
 Both tools are other programs: labrun prepares what they read, starts them bound to 127.0.0.1
@@ -29,9 +29,10 @@ from pathlib import Path
 
 from labrun.core import probes
 from labrun.core.errors import LabrunError, one_line
-from labrun.runs import compare, hparams
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import SweepDir, open_storage
+from labrun.track import hparams
+from labrun.views import compare
 
 FOLDER = ".dashboard"
 JOURNAL_COPY = "optuna.journal"

@@ -1,7 +1,7 @@
 """Prometheus service discovery for the runs that train now: `labrun monitor targets`.
 
 A training run describes each node's metrics endpoint in `RUN/monitor/node-<N>.json` (written
-by labrun.track.metrics_endpoint; the format is in docs/ARCHITECTURE.md). This module finds
+by labrun.monitoring.metrics_endpoint; the format is in docs/ARCHITECTURE.md). This module finds
 those files under some roots, keeps the runs whose run-folder lock is held by a live process,
 and writes Prometheus's file-based service discovery format (file_sd):
 

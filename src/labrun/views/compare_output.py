@@ -1,6 +1,6 @@
 """`labrun compare`'s output: the terminal table (rich), CSV, Markdown and the plot.
 
-The rows come from labrun.runs.compare (which reads and ranks the run folders); this module
+The rows come from labrun.views.compare (which reads and ranks the run folders); this module
 only formats them.
 """
 
@@ -19,8 +19,8 @@ from rich.table import Table
 from labrun.runs.rundir import is_metric_value
 
 if TYPE_CHECKING:  # compare imports this module; the types alone come back
-    from labrun.runs.aggregate import Aggregate
-    from labrun.runs.compare import Comparison, Run
+    from labrun.views.aggregate import Aggregate
+    from labrun.views.compare import Comparison, Run
 
 STATUS_STYLE = {"completed": "green", "pruned": "blue", "failed": "red", "running": "yellow",
                 "interrupted": "magenta"}

@@ -1,6 +1,6 @@
 """The two sides of a config review: a git revision's conf/ and src/ (read with `git archive`
 into a temporary folder, never touching the work tree) or the work tree itself, each composed
-by labrun.config.compose_side in a subprocess with that side's src/ first on PYTHONPATH."""
+by labrun.review.compose_side in a subprocess with that side's src/ first on PYTHONPATH."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from labrun.core.errors import LabrunError, first_line
 
-ENTRY = "labrun.config.compose_side"
+ENTRY = "labrun.review.compose_side"
 ENTRY_FILE = Path(__file__).with_name("compose_side.py")
 # Today's copy of the entry for a revision older than it: a top-level module in that side's
 # temporary src/, so that its own labrun package stays the one imported.
@@ -121,7 +121,7 @@ def checkout(repo: Path, rev: str | None) -> Iterator[Side]:
 def start(side: Side, targets: list[dict[str, Any]], config_name: str) -> subprocess.Popen:
     """compose_side on `side` in a subprocess; finish() collects it (sides run in parallel)."""
     module = ENTRY
-    if not (side.src / "labrun" / "config" / "compose_side.py").is_file():
+    if not (side.src / (ENTRY.replace(".", "/") + ".py")).is_file():
         side.src.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ENTRY_FILE, side.src / f"{FALLBACK}.py")
         module = FALLBACK

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from labrun.core.errors import LabrunError
-from labrun.runs import compare_output as output
 from labrun.runs import provenance
 from labrun.runs.rundir import ROW_BOOKKEEPING, RunDir, is_metric_value
-from labrun.runs.sweepdir import TRIAL_CALLBACK, SweepDir
+from labrun.runs.sweepdir import SweepDir, parse_overrides
+from labrun.views import compare_output as output
 
 log = logging.getLogger(__name__)
 
@@ -157,19 +157,6 @@ def load_run(path: Path) -> Run:
     if started:
         run.weights = f"{started.get('source')} sha256:{str(started.get('sha256'))[:12]}"
     return run
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, str]:
-    """`optimizer.lr=0.01` -> {"optimizer.lr": "0.01"}. Hydra's own settings and the plumbing
-    of an Optuna trial's pruning callback (its storage, study and trial number) are left out:
-    neither is something a person varied."""
-    parsed = {}
-    for override in overrides:
-        key, _, value = str(override).partition("=")
-        key = key.lstrip("+")
-        if not key.startswith(("hydra.", f"{TRIAL_CALLBACK}.")):
-            parsed[key] = value
-    return parsed
 
 
 def wall_time(run: Run, config_file: Path) -> float | None:

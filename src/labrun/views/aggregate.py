@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labrun.core.errors import LabrunError
-from labrun.runs import compare_output as output
-from labrun.runs.compare import (
+from labrun.views import compare_output as output
+from labrun.views.compare import (
     Comparison,
     Run,
     best_and_final,

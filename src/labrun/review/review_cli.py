@@ -6,10 +6,10 @@ import logging
 import time
 from pathlib import Path
 
-from labrun.config import review_render
-from labrun.config.review import review
-from labrun.config.sides import repo_root
 from labrun.core.files import write_text_atomic
+from labrun.review import review_render
+from labrun.review.review import review
+from labrun.review.sides import repo_root
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A config review (labrun.config.review) as text for a terminal and as markdown for a
+"""A config review (labrun.review.review) as text for a terminal and as markdown for a
 pull-request comment: stable ordering and no times or temporary paths, so that a re-run of the
 same revisions gives the same bytes (the workflow updates its one comment in place)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from labrun.config.review import Change, Experiment, Review
+from labrun.review.review import Change, Experiment, Review
 
 # The line that finds the review's comment again on a pull request
 # (.github/workflows/config-review.yml): a push updates it instead of adding another.

@@ -2,9 +2,9 @@
 
 The primary config's defaults, every experiment preset and the override lists named in
 conf/review.yaml are composed at BASE and at HEAD (or the work tree), each side with its own
-conf/ and its own schemas (labrun.config.sides), and compared key by key. Each changed key is
+conf/ and its own schemas (labrun.review.sides), and compared key by key. Each changed key is
 classified by the schema's facts (config/facts.py): does it change results (`affects_result`),
-would a running job refuse to resume with it (`resume_safe`). labrun.config.review_render
+would a running job refuse to resume with it (`resume_safe`). labrun.review.review_render
 prints the result as text, markdown (a pull-request comment) and JSON.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import yaml
 
 from labrun.config.resolve import PRIMARY
-from labrun.config.sides import Composed, Side, checkout, compose_sides, default_base
 from labrun.core.errors import LabrunError, first_line
 from labrun.core.secrets import REDACTED, is_secret_key, redact
+from labrun.review.sides import Composed, Side, checkout, compose_sides, default_base
 
 REVIEW_FILE = "review.yaml"  # conf/review.yaml: {reviews: {name: [override, ...]}}
 DEFAULTS = "defaults"

@@ -5,7 +5,7 @@ Works for detached SLURM sweeps (`cluster.detach=true`) and for local ones: the 
 from the sweep's jobs.json, the state from each job's own summary.json, and, for jobs that
 have not written a result yet, from the sweep's scheduler (core/scheduler: one query for all of
 them). The figures (the rate in the task's unit: images/s, tokens/s; the data-wait fraction,
-GPU utilisation) and the verdict with its fix come from each run folder (runs/efficiency.py).
+GPU utilisation) and the verdict with its fix come from each run folder (views/efficiency.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from labrun.core import scheduler
 from labrun.core.errors import LabrunError
 from labrun.core.scheduler import LIVE_STATES
 from labrun.runs import lock as run_lock
-from labrun.runs.efficiency import Efficiency, measure
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import (
     ENDED,
@@ -36,6 +35,7 @@ from labrun.runs.sweepdir import (
     print_table,
     read_result,
 )
+from labrun.views.efficiency import Efficiency, measure
 
 # How often `labrun status --wait` looks again: a sweep's jobs take minutes to hours.
 WAIT_POLL_S = 5.0

@@ -1,6 +1,6 @@
 """`labrun configs diff A B`: the resolved keys that differ between two configs, each a run
 folder, an override list, or an override list at a git revision (`REV:SPEC`, composed by the
-config review's machinery: labrun.config.sides)."""
+config review's machinery: labrun.review.sides)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def side_leaves(spec: str, config_dir: Path, config_name: str) -> tuple[Leaves, 
     if at_rev is None:
         cfg, name = load_side(spec, config_dir, config_name)
         return flatten(cfg), name
-    from labrun.config.sides import checkout, compose_sides
+    from labrun.review.sides import checkout, compose_sides
 
     repo, rev, overrides = at_rev
     with checkout(repo, rev) as side:
@@ -90,7 +90,7 @@ def _revision_spec(spec: str, config_dir: Path) -> tuple[Path, str, list[str]] |
     match = re.match(r"([^=:,\s]+):(.*)$", spec, re.DOTALL)
     if not match or Path(spec).is_dir():
         return None
-    from labrun.config.sides import is_revision, repo_root
+    from labrun.review.sides import is_revision, repo_root
 
     try:
         repo = repo_root(config_dir.resolve())

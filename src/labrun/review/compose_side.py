@@ -1,6 +1,6 @@
 """One side of a config review: compose override lists with this side's conf/ and schemas.
 
-    python -m labrun.config.compose_side CONF_DIR CONFIG_NAME TARGETS_JSON > result.json
+    python -m labrun.review.compose_side CONF_DIR CONFIG_NAME TARGETS_JSON > result.json
 
 TARGETS_JSON: [{"name": ..., "overrides": [...]}, ...]; stdout: JSON
     {"facts": {key: [affects_result, resume_safe]} or null when this side has no facts module,

@@ -22,24 +22,12 @@ from pathlib import Path
 from labrun.core import scheduler
 from labrun.core.errors import LabrunError
 from labrun.core.scheduler import LIVE_STATES, LocalScheduler
+from labrun.launch.local import stop_job
 from labrun.runs import lock as run_lock
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, SweepDir, has_ended
 
 log = logging.getLogger(__name__)
-
-
-def stop(job: Job) -> None:
-    """SIGTERM to a local job: to its controller, which passes it on (submitit's own cancel
-    sends SIGINT, on which the controller kills the job a second later, too soon for a
-    checkpoint), or, where the controller is gone, to the process holding its run folder."""
-    if LocalScheduler().job_alive(job.job_id or ""):
-        LocalScheduler().cancel([job.job_id])
-        return
-    holder = run_lock.live_holder(job.run_dir.lock_path)
-    if holder is not None and holder.pid != os.getpid():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(holder.pid, signal.SIGTERM)
 
 
 def not_ended(backend: str, scheduler_path: str | None, jobs: list[Job]) -> list[Job]:
@@ -74,7 +62,7 @@ def cancel(sweep_dir: Path) -> list[Job]:
     live = not_ended(backend, manifest.get("scheduler"), jobs)
     if backend == LocalScheduler.name:
         for job in live:
-            stop(job)
+            stop_job(job)
     elif live:
         scheduler.named(backend, manifest.get("scheduler")).cancel([job.job_id for job in live])
     now = time.time()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from labrun.runs.rundir import ROW_BOOKKEEPING, RunDir, is_metric_value
 
 if TYPE_CHECKING:
-    from labrun.runs.compare import Run
+    from labrun.views.compare import Run
 
 FOLDER = Path(".dashboard") / "tensorboard"
 WRITTEN = "written.json"
