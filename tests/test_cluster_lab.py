@@ -45,7 +45,7 @@ from conftest import (
     wait_for,
 )
 from labrun.launch import SLURM_COMMENT_PREFIX
-from labrun.runs import lock
+from labrun.runs import lock_holder
 
 pytestmark = pytest.mark.slurm
 
@@ -251,7 +251,7 @@ class ContainerRequeue(Trigger):
     failure: NodeFailure
     proc: subprocess.Popen | None = None
     node: str = ""
-    holder: lock.Holder | None = None
+    holder: lock_holder.Holder | None = None
     holder_cmdline: str = ""
     judged: str | None = "not judged"
 
@@ -273,11 +273,11 @@ class ContainerRequeue(Trigger):
         wait_for(run / "checkpoints" / "step-00000010.pt", self.proc)
         # The PID in the lock is the host's (podman --pid=host): on the job's node, which
         # shares this machine's PID namespace, that process is the job's Python, live.
-        self.holder = lock.read_holder(run / ".lock")
+        self.holder = lock_holder.read_holder(run / ".lock")
         with contextlib.suppress(OSError):
             self.holder_cmdline = Path(f"/proc/{self.holder.pid}/cmdline").read_text()
-        on_its_node = replace(lock.me(), host=self.node, job_id=None, restart=0)
-        self.judged = lock.stale_reason(self.holder, run / ".lock", on_its_node)
+        on_its_node = replace(lock_holder.me(), host=self.node, job_id=None, restart=0)
+        self.judged = lock_holder.stale_reason(self.holder, run / ".lock", on_its_node)
         job_id = manifest(self.sweep_dir)["jobs"][0]["job_id"]
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
 

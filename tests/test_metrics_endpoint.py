@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import start_train, wait_for
 from labrun.cli.hydra_app import user_error_message
 from labrun.config import validation
+from labrun.core.scheduler.slurm import SlurmScheduler, controller_address
 from labrun.monitoring import metrics_endpoint
 from labrun.monitoring.metrics_endpoint import (
     FAMILIES,
@@ -289,8 +290,8 @@ def test_node_address_is_this_machines_address_towards_the_controller(tmp_path):
     # The controller at 127.0.0.53: the interface that routes there holds 127.0.0.1.
     conf.write_text("# comment\nClusterName=lab\nslurmctldhost=ctl(127.0.0.53)\n"
                     "SlurmctldHost=backup(10.0.0.9)\n")
-    assert metrics_endpoint.node_address(conf) == ("127.0.0.1", "")
-    address, why = metrics_endpoint.node_address(tmp_path / "none.conf")
+    assert metrics_endpoint.node_address(SlurmScheduler(slurm_conf=conf)) == ("127.0.0.1", "")
+    address, why = metrics_endpoint.node_address(SlurmScheduler(slurm_conf=tmp_path / "none.conf"))
     assert address is None and "no SLURM configuration" in why
 
 
@@ -301,7 +302,7 @@ def test_node_address_is_this_machines_address_towards_the_controller(tmp_path):
     ("NodeName=node1 NodeAddr=10.77.0.11\n", None),
 ])
 def test_controller_address_from_slurm_conf(text, controller):
-    assert metrics_endpoint.controller_address(text) == controller
+    assert controller_address(text) == controller
 
 
 def test_bind_node_without_slurm_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):

@@ -30,7 +30,7 @@ import lock_race
 import pytest
 
 from conftest import run_train
-from labrun.runs import lock
+from labrun.runs import lock, lock_holder
 from labrun.runs.rundir import RunDir
 
 HOLD = """
@@ -67,11 +67,11 @@ def hold_in_process(path: Path, seconds: float = 60, env: dict | None = None
     return proc
 
 
-def write_lock(path: Path, **facts) -> lock.Holder:
+def write_lock(path: Path, **facts) -> lock_holder.Holder:
     """A lock file as another process would have written it."""
-    holder = lock.Holder(**{"host": socket.gethostname(), "pid": 1, "pid_start": None,
-                            "job_id": None, "restart": 0, "launch": None,
-                            "started_at": time.time(), "token": "theirs", **facts})
+    holder = lock_holder.Holder(**{"host": socket.gethostname(), "pid": 1, "pid_start": None,
+                                   "job_id": None, "restart": 0, "launch": None,
+                                   "started_at": time.time(), "token": "theirs", **facts})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(holder)))
     return holder
@@ -94,7 +94,7 @@ def test_the_lock_records_who_trains_and_goes_away_on_release(tmp_path, monkeypa
     facts = json.loads(path.read_text())
     assert (facts["host"], facts["pid"], facts["job_id"], facts["restart"]) == (
         socket.gethostname(), os.getpid(), "4242", 3)
-    assert facts["pid_start"] == lock.pid_start(os.getpid()) is not None
+    assert facts["pid_start"] == lock_holder.pid_start(os.getpid()) is not None
     assert before <= facts["started_at"] <= after  # taken when acquire() took it
     assert lock.acquire(path) is None  # taken again by its holder: nothing new
     assert sorted(p.name for p in path.parent.iterdir()) == [".lock"]  # no temporary left
@@ -136,7 +136,7 @@ def test_a_killed_holders_lock_is_taken_over_in_one_line(tmp_path, caplog):
 def test_a_reused_pid_is_not_taken_for_the_holder(tmp_path):
     path = lock_file(tmp_path)
     # This very PID is alive, but it started at another time than the lock says.
-    write_lock(path, pid=os.getpid(), pid_start=lock.pid_start(os.getpid()) - 1)
+    write_lock(path, pid=os.getpid(), pid_start=lock_holder.pid_start(os.getpid()) - 1)
     assert lock.acquire(path) is not None
 
 
@@ -166,7 +166,7 @@ def test_another_hosts_lock_goes_stale_when_its_heartbeat_stops(tmp_path):
     write_lock(path, host="node-elsewhere", pid=os.getpid())
     with pytest.raises(lock.RunLocked, match="on node-elsewhere since"):
         lock.acquire(path)
-    old = time.time() - lock.STALE_AFTER_S - 60
+    old = time.time() - lock_holder.STALE_AFTER_S - 60
     os.utime(path, (old, old))
     assert lock.acquire(path) is not None
 
@@ -226,7 +226,7 @@ def test_a_rank_follows_its_launchs_rank_0_and_ends_when_another_holds_it(tmp_pa
                                                                          monkeypatch):
     path = lock_file(tmp_path)
     monkeypatch.setenv("SLURM_JOB_ID", "55")
-    holder = write_lock(path, pid=os.getppid(), job_id="55", launch=lock.launch_id())
+    holder = write_lock(path, pid=os.getppid(), job_id="55", launch=lock_holder.launch_id())
     lock.follow(path, timeout=1)  # its rank 0 holds it
     write_lock(path, **{**asdict(holder), "launch": "slurm:54:0", "job_id": "54"})
     with pytest.raises(lock.RunLocked, match=r"\(SLURM job 54\)"):
@@ -359,10 +359,10 @@ def test_a_lock_unreadable_for_half_the_stale_time_is_lost_for_good(tmp_path, mo
 # -- taking a stale lock over ------------------------------------------------------------------
 
 
-def stale_lock(path: Path) -> lock.Holder:
+def stale_lock(path: Path) -> lock_holder.Holder:
     """A lock whose holder is gone: this process's PID, with another start time (a reused
     PID), so judged stale at once and the same way by every claimant."""
-    return write_lock(path, pid=os.getpid(), pid_start=lock.pid_start(os.getpid()) - 1,
+    return write_lock(path, pid=os.getpid(), pid_start=lock_holder.pid_start(os.getpid()) - 1,
                       token="stale")
 
 
@@ -394,7 +394,7 @@ def test_a_claimant_with_old_data_never_removes_a_fresh_holders_lock(tmp_path):
             try:
                 return call(*args, **kwargs)
             finally:
-                seen.append(getattr(lock.read_holder(path), "token", None))
+                seen.append(getattr(lock_holder.read_holder(path), "token", None))
         return after
 
     try:

@@ -17,7 +17,8 @@ import pytest
 from test_cluster_slurm import slurm  # noqa: F401
 from test_run_lock import no_inherited_lock  # noqa: F401 - autouse: holds nothing, no SLURM job
 
-from labrun.runs import lock
+from labrun.core.scheduler import ACTIVE_STATES
+from labrun.runs import lock, lock_holder
 from labrun.runs.rundir import RunDir
 
 pytestmark = pytest.mark.slurm
@@ -48,12 +49,12 @@ def test_a_foreign_hosts_lock_is_kept_while_its_slurm_job_runs_and_taken_once_ca
         wait_for_state(job_id, lambda state: state == "RUNNING", "did not start")
         path = RunDir(tmp_path / "run").lock_path
         path.parent.mkdir(parents=True)
-        holder = lock.Holder(host="node-elsewhere", pid=os.getpid(), pid_start=None,
-                             job_id=job_id, restart=0, launch=f"slurm:{job_id}:0",
-                             started_at=time.time(), token="theirs")
+        holder = lock_holder.Holder(host="node-elsewhere", pid=os.getpid(), pid_start=None,
+                                    job_id=job_id, restart=0, launch=f"slurm:{job_id}:0",
+                                    started_at=time.time(), token="theirs")
         path.write_text(json.dumps(asdict(holder)))
         # A heartbeat far older than STALE_AFTER_S: only SLURM's answer keeps the lock.
-        old = time.time() - lock.STALE_AFTER_S - 600
+        old = time.time() - lock_holder.STALE_AFTER_S - 600
         os.utime(path, (old, old))
         with pytest.raises(lock.RunLocked, match=rf"PID {os.getpid()} on node-elsewhere "
                                                  rf"\(SLURM job {job_id}\)"):
@@ -61,7 +62,7 @@ def test_a_foreign_hosts_lock_is_kept_while_its_slurm_job_runs_and_taken_once_ca
         assert json.loads(path.read_text())["token"] == "theirs"  # untouched
 
         subprocess.run(["scancel", job_id], check=True, timeout=30)
-        wait_for_state(job_id, lambda state: state not in lock.SLURM_ACTIVE, "did not end")
+        wait_for_state(job_id, lambda state: state not in ACTIVE_STATES, "did not end")
         os.utime(path)  # a fresh heartbeat: only SLURM's answer makes the lock stale
         with caplog.at_level("WARNING", logger="labrun.runs.lock"):
             assert lock.acquire(path) is not None

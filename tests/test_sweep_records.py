@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from labrun.core.scheduler import LocalScheduler
 from labrun.launch.sweep import attach, completed_with_same_config
-from labrun.runs import lock as run_lock
+from labrun.runs.lock_holder import live_holder
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, SweepDir
 from labrun.views import status
@@ -86,7 +86,7 @@ held.release()
 """], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert run_lock.live_holder(run_dir.lock_path).pid == holder.pid
+        assert live_holder(run_dir.lock_path).pid == holder.pid
         SweepDir(tmp_path).write_jobs("local", [Job(num=0, overrides=[], dir=str(run_dir.path),
                                                     state="failed", job_id="999999999")])
         jobs, _ = status.sweep_jobs(tmp_path)
@@ -98,7 +98,7 @@ held.release()
     finally:
         holder.communicate("", timeout=30)
     # Released: the job has ended, its state is its record's (no summary written: failed).
-    assert run_lock.live_holder(run_dir.lock_path) is None
+    assert live_holder(run_dir.lock_path) is None
     jobs, _ = status.sweep_jobs(tmp_path)
     assert jobs[0].state == "failed"
 

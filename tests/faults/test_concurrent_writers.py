@@ -39,7 +39,7 @@ from conftest import (
     wait_for,
 )
 from faults.conftest import freeze, metrics_lost, metrics_shape_differs
-from labrun.runs.lock import read_holder
+from labrun.runs.lock_holder import read_holder
 
 FAULT = "concurrent writers"
 # Short epochs (10 steps): the winner trains for many seconds, the loser is refused in its

@@ -31,8 +31,9 @@ class LabrunGridSweeperConf(BasicSweeperConf):
 
 
 class LabrunOptunaSweeper(optuna_sweeper.OptunaSweeper):
-    """hparams_search=optuna: an Optuna study in the sweep folder, trials in batches through
-    the launcher, pruned from the values they log; a re-run continues it."""
+    """hparams_search=optuna: an Optuna study in the sweep folder, its trials run through the
+    launcher with n_jobs in flight at once, each started as another ends, pruned from the
+    values they log; a re-run continues it."""
 
 
 @dataclass
@@ -43,7 +44,7 @@ class LabrunOptunaSweeperConf:
     _target_: str = "hydra_plugins.labrun_launcher.labrun_launcher.LabrunOptunaSweeper"
     storage: str | None = None  # null: SWEEP_DIR/optuna.journal
     study_name: str | None = None  # null: the job name (train)
-    direction: str = "minimize"
+    direction: str | None = None  # maximize | minimize; null: checkpoint.mode's (max: maximize)
     n_trials: int = 20
     n_jobs: int = 1
     max_failure_rate: float = 0.0

@@ -33,7 +33,7 @@ import yaml
 
 from labrun.bench.targets import Target, Verdict, judge, report  # noqa: F401
 from labrun.core.files import read_jsonl
-from labrun.runs.rundir import YAML_LOADER
+from labrun.runs.rundir import YAML_LOADER, RunDir
 
 # The old bounds in seconds (compare 5 s, first write 10 s, second start 1 s on 1,000 runs),
 # turned into ratios by the baselines measured on this machine (reading the files 0.20 s,
@@ -99,18 +99,17 @@ def run(args: argparse.Namespace) -> list[Verdict]:
 def read_files(root: Path) -> int:
     """The baseline: the files compare reads for each run, read and parsed, nothing else."""
     count = 0
-    for run_dir in sorted(root.iterdir()):
-        json.loads((run_dir / "summary.json").read_text())
-        count += len(read_jsonl(run_dir / "metrics.jsonl"))
-        yaml.load((run_dir / ".hydra" / "overrides.yaml").read_text(), Loader=YAML_LOADER)
+    for path in sorted(root.iterdir()):
+        run_dir = RunDir(path)
+        json.loads(run_dir.summary_path.read_text())
+        count += len(read_jsonl(run_dir.metrics_path))
+        yaml.load(run_dir.overrides_path.read_text(), Loader=YAML_LOADER)
     return count
 
 
 def stat_files(root: Path) -> None:
     """The second start's baseline: a stat of every run's summary.json and metrics.jsonl, the
     least that telling an unchanged run from a changed one takes."""
-    from labrun.runs.rundir import RunDir
-
     for run_dir in root.iterdir():
         if run_dir.name.startswith("."):
             continue
@@ -161,11 +160,12 @@ def make_runs(root: Path, count: int, seed: int = 0) -> list[Path]:
         # Best near lr 3e-3, a little better with some weight decay: a landscape to look at.
         ceiling = 0.95 - 0.08 * abs(math.log10(lr / 3e-3)) - abs(weight_decay - 0.05)
         folder = root / str(num)
-        (folder / ".hydra").mkdir(parents=True)
-        (folder / ".hydra" / "config.yaml").write_text(config)
+        run = RunDir(folder)
+        run.hydra_dir.mkdir(parents=True)
+        run.config_path.write_text(config)
         overrides = [f"optimizer.lr={lr:.6g}", f"optimizer.weight_decay={weight_decay}",
                      f"model={model}", "logger=csv"]
-        (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        run.overrides_path.write_text(yaml.safe_dump(overrides))
         rows, accs, started, step = [], [], 1.7e9 + num * 600, 0
         for epoch in range(1, epochs + 1):
             for _ in range(TRAIN_ROWS_AN_EPOCH):
@@ -177,14 +177,14 @@ def make_runs(root: Path, count: int, seed: int = 0) -> list[Path]:
             accs.append(acc)
             rows.append({"step": step, "epoch": epoch, "time": started + step + 5,
                          "val/acc": acc, "val/loss": 2.3 * (1 - acc)})
-        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         summary = {"status": status, "epoch": epochs, "step": step, "monitor": "val/acc",
                    "mode": "max",
                    "best/val/acc": max(accs), "val/acc": accs[-1], "started_at": started,
                    "ended_at": started + step + 10,
                    "error": "RuntimeError: CUDA error: out of memory" if status == "failed"
                    else None}
-        (folder / "summary.json").write_text(json.dumps(summary))
+        run.summary_path.write_text(json.dumps(summary))
         folders.append(folder)
     return folders
 
@@ -196,7 +196,6 @@ def make_study(folder: Path, count: int) -> Any:
     import optuna
     from optuna.distributions import CategoricalDistribution, FloatDistribution
 
-    from labrun.runs.rundir import RunDir
     from labrun.runs.sweepdir import TRIAL_CALLBACK, Job, SweepDir, open_storage
 
     make_runs(folder, count)

@@ -33,6 +33,7 @@ from hydra.utils import instantiate
 from labrun.bench import write_json
 from labrun.bench.targets import Target, Verdict, judge
 from labrun.core.project import PROJECT_DIR
+from labrun.runs.rundir import RunDir
 
 PROJECT = PROJECT_DIR
 
@@ -145,7 +146,6 @@ def _compose(run_dir: Path, args, *overrides: str):
 
 def _trainer(cfg, data, model, run_dir: Path):
     """A Trainer writing its run folder as a real run's rank 0 does."""
-    from labrun.runs.rundir import RunDir
     from labrun.track import loggers as tracking
     from labrun.train.checkpoint import CheckpointManager
     from labrun.train.distributed import Distributed
@@ -304,7 +304,7 @@ def run_startup(args: argparse.Namespace) -> list[Verdict]:
                             "trainer.progress=none", f"hydra.run.dir={tmp}"],
                            check=True, cwd=PROJECT, capture_output=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            first = json.loads((Path(tmp) / "metrics.jsonl").read_text().splitlines()[0])
+            first = json.loads(RunDir(tmp).metrics_path.read_text().splitlines()[0])
             first_step.append(first["time"] - start)
     ratio = min(first_step) / min(imports)
     print("start-up (best of", args.repeats, "):")

@@ -6,13 +6,15 @@ A schema field declared with `key(...)` (config/fields.py) states:
   resume_safe     it may differ when a run is resumed (a moved data folder, more epochs)
   affects_result  changing it changes what a run computes (optimizer.lr does; trainer.progress,
                   checkpoint.keep_last do not); the config review of pull requests reads it
+  choices         the values it may take (checkpoint.mode: max, min); validation refuses others
 A plain field has the defaults: no path, not resume-safe, affects the result. A fact on a
 section (the `logger` field, say) holds for every key below it, except that a key stating
 `affects_result` itself overrides its sections (`cluster` changes no result; its
 `container.image` does).
 
-Every list of keys that used to be written out by hand (path keys, resume-safe keys) is derived
-here, so a new field states its facts once, where it is declared.
+Every list of keys that used to be written out by hand (path keys, resume-safe keys, the allowed
+values of a key) is derived here or in config/validation.py, so a new field states its facts
+once, where it is declared.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def facts_of(dotted: str) -> Facts:
     stated = [f.affects_result for f in (own, *reversed(sections)) if f.affects_result is not None]
     return Facts(path=own.path, must_exist=own.must_exist,
                  resume_safe=own.resume_safe or any(s.resume_safe for s in sections),
-                 affects_result=stated[0] if stated else True)
+                 affects_result=stated[0] if stated else True, choices=own.choices)
 
 
 def path_keys() -> tuple[str, ...]:

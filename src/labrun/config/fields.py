@@ -7,6 +7,7 @@ schemas) do not import each other.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import MISSING as NO_DEFAULT
 from typing import Any
 
@@ -21,20 +22,30 @@ class Facts:
     # None: not stated, the sections' fact holds (config/facts.py facts_of); True under a section
     # that changes no result: this key does (the container image of `cluster`).
     affects_result: bool | None = None
+    # The values the key may take (config/validation.py refuses any other); (): any its type
+    # allows. A null is left to the type (`str | None` takes one).
+    choices: tuple[str, ...] = ()
 
 
 PLAIN = Facts()
 
 
 def key(default: Any = MISSING, *, factory: Any = NO_DEFAULT, path: bool = False,
-        must_exist: bool = False, resume_safe: bool = False, affects_result: bool | None = None
-        ) -> Any:
+        must_exist: bool = False, resume_safe: bool = False, affects_result: bool | None = None,
+        choices: Sequence[str] = ()) -> Any:
     """A dataclass field with its facts as metadata (`factory`: a default_factory)."""
     facts = Facts(path=path or must_exist, must_exist=must_exist, resume_safe=resume_safe,
-                  affects_result=affects_result)
+                  affects_result=affects_result, choices=tuple(choices))
     if factory is not NO_DEFAULT:
         return dataclasses.field(default_factory=factory, metadata={"facts": facts})
     return dataclasses.field(default=default, metadata={"facts": facts})
+
+
+def field_facts(schema: type, name: str) -> Facts:
+    """The facts one field of `schema` declares (what code outside the config reads of a key
+    it owns: its choices, say), straight from the field, without collecting every schema."""
+    field = next(f for f in dataclasses.fields(schema) if f.name == name)
+    return field.metadata.get("facts", PLAIN)
 
 
 def collect(schemas: dict[str, type]) -> dict[str, Facts]:

@@ -10,7 +10,8 @@ reads: each schema says which new keys it takes with its class attribute `new_ke
 `keys.check_keys()` refuses the rest, naming the closest known key.
 
 Fields declared with `key(...)` carry their facts (a path? may it change on resume? does it change
-the result?) as metadata; config/facts.py derives every key list from them.
+the result? which values may it take?) as metadata; config/facts.py derives every key list from
+them, config/validation.py its checks.
 
 One file on purpose: split by group, the schemas would no longer read as the one table of every
 key labrun takes.
@@ -26,6 +27,7 @@ from omegaconf import MISSING
 
 from labrun.config.fields import key
 from labrun.config.keys import NewKeys
+from labrun.config.objective import DEFAULT_MODE, DEFAULT_MONITOR
 
 # ---------------------------------------------------------------------------------------------
 # Top level
@@ -42,7 +44,7 @@ class TrainerConfig:
     val_every_n_steps: int = key(0, resume_safe=True)
     batch_size: int = 64  # effective, global: micro_batch_size x accumulation x world size
     micro_batch_size: Any = key("auto", resume_safe=True)  # per process, or "auto": batch_size / world size, halved on OOM
-    accelerator: str = "auto"  # auto (cuda, then mps, then cpu) | cuda | mps | cpu
+    accelerator: str = key("auto", choices=("auto", "cpu", "cuda", "mps"))  # auto: cuda, then mps, then cpu
     devices: int = 1  # processes per node, one per GPU
     num_nodes: int = 1
     deterministic: bool = False  # bit-reproducible on the CPU
@@ -52,22 +54,29 @@ class TrainerConfig:
     log_every_n_steps: int = key(10, resume_safe=True, affects_result=False)
     limit_train_batches: int | None = None  # optimizer steps per epoch, for smoke runs
     limit_val_batches: int | None = key(None, resume_safe=True)
-    nan_policy: str = "stop"  # stop | skip: what a non-finite loss does (stop: at the next log point or checkpoint, naming the first bad step; skip: reads the loss every step)
+    # What a non-finite loss does. stop: at the next log point or checkpoint, naming the first
+    # bad step; skip: reads the loss every step.
+    nan_policy: str = key("stop", choices=("stop", "skip"))
     # Under DDP the ranks agree on a stop signal (USR2, SIGTERM, Ctrl-C) every this many steps:
     # at a few seconds a step, 10 steps stay well inside SLURM's warning (cluster.signal_delay_s)
     # and a QOS's preemption grace time. A process alone checks every step.
     stop_check_every_n_steps: int = key(10, resume_safe=True, affects_result=False)
-    progress: str = key("auto", resume_safe=True, affects_result=False)  # auto (rich bar on a TTY, log lines otherwise) | bar | log | none
+    # auto: a rich bar on a TTY, log lines otherwise
+    progress: str = key("auto", resume_safe=True, affects_result=False,
+                        choices=("auto", "bar", "log", "none"))
 
 
 @dataclass
 class CheckpointConfig:
-    monitor: str = "val/acc"
-    mode: str = "max"  # max | min
+    # What a run is judged by: the task's config sets both (conf/task/); these hold for a task
+    # whose config names no monitor (config/objective.py).
+    monitor: str = DEFAULT_MONITOR
+    mode: str = key(DEFAULT_MODE, choices=("max", "min"))
     keep_last: int = key(3, resume_safe=True, affects_result=False)  # step-NNNNNNNN.pt history files kept beside last.pt and best.pt
-    # What a completed or pruned run keeps: all | best_last (best.pt, last.pt) | best (best.pt);
-    # auto: best_last in a sweep job, all in a single run (train/checkpoint.py, labrun gc)
-    on_finish: str = key("auto", resume_safe=True, affects_result=False)
+    # What a completed or pruned run keeps (train/checkpoint.py, labrun gc). best_last: best.pt
+    # and last.pt; best: best.pt alone; auto: best_last in a sweep job, all in a single run.
+    on_finish: str = key("auto", resume_safe=True, affects_result=False,
+                         choices=("auto", "all", "best_last", "best"))
     every_n_steps: int = key(0, resume_safe=True, affects_result=False)  # 0: only at the end of every epoch
     resume: str = key("auto", path=True, resume_safe=True, affects_result=False)  # auto | never | PATH to a checkpoint
 
@@ -91,7 +100,7 @@ class PathsConfig:
 
 @dataclass
 class DistributedConfig:
-    backend: str = "auto"  # auto: nccl on CUDA, gloo on the CPU
+    backend: str = key("auto", choices=("auto", "nccl", "gloo"))  # auto: nccl on CUDA, gloo on the CPU
     bucket_cap_mb: int = key(25, affects_result=False)  # DDP's gradient bucket size
     timeout_s: int = key(1800, affects_result=False)  # how long a collective waits for the other ranks
 
@@ -155,10 +164,10 @@ class ImageDatasetConfig:
     name: str = MISSING
     image_size: int = 224
     num_workers: int = key(2, resume_safe=True, affects_result=False)  # samples are seeded per index
-    # workers | cpu | cuda: where JPEGs are decoded; cpu and cuda decode whole batches in the
-    # main process (data/image/batched.py). Same crops and flips; pixels differ slightly (DCT scaling,
+    # Where JPEGs are decoded: in the workers, or (cpu, cuda) in whole batches in the main
+    # process (data/image/batched.py). Same crops and flips; pixels differ slightly (DCT scaling,
     # nvJPEG's rounding): a result change, but a run may resume on a machine with another.
-    decode: str = key("workers", resume_safe=True)
+    decode: str = key("workers", resume_safe=True, choices=("workers", "cpu", "cuda"))
     val_fraction: float = 0.1  # held out of train when the data has no val split
     # k-fold cross-validation of a dataset without a val split of its own: train on K-1 folds,
     # validate on fold `fold` (data/image/sources.py, folds); val_fraction is then ignored.
@@ -208,7 +217,7 @@ class SegmentationDatasetConfig(ImageDatasetConfig):
     ignore_index: int = 255  # a mask value not scored (Pascal VOC's void)
     # fixed: val and test images resized to image_size x image_size; full: at their own size
     # (one image per batch when sizes differ: trainer.batch_size must then be 1 for eval).
-    eval_size: str = "fixed"
+    eval_size: str = key("fixed", choices=("fixed", "full"))
 
 
 @dataclass
@@ -376,7 +385,7 @@ class StepScheduleConfig(ScheduleConfig):
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"  # fp32 | bf16 | fp16
+    name: str = key("fp32", choices=("fp32", "bf16", "fp16"))
     init_scale: float = 65536.0  # fp16's first loss scale
 
 
@@ -412,7 +421,7 @@ class ContainerConfig:
     """cluster.container: each task of a SLURM job runs its Python inside the lab's image
     (launch/container.py), with the code, the sweep folder and the data at the same paths."""
 
-    runtime: str | None = None  # apptainer | pyxis | podman; null: the submitting venv's Python
+    runtime: str | None = key(None, choices=("apptainer", "pyxis", "podman"))  # null: the submitting venv's Python
     image: str | None = key(None, affects_result=True)  # a .sif, a squashfs/registry name, a tag
     mounts: list[str] = key(factory=list, path=True)  # more host folders, at the same paths
     gpus: bool = True  # --nv (Apptainer), enroot's hooks (Pyxis), the job's GRES (Podman)
@@ -457,7 +466,7 @@ class LoggerConfig:
     name: str = "csv"  # wandb | tensorboard | csv | none
     project: str = "labrun"
     entity: str | None = None
-    mode: str = "auto"  # wandb: auto (online when logged in) | online | offline | disabled
+    mode: str = key("auto", choices=("auto", "online", "offline", "disabled"))  # wandb's; auto: online when logged in
     group: str | None = None  # default: the sweep folder's name
     tags: list[str] = field(default_factory=list)
 

@@ -23,19 +23,6 @@ from labrun.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-CHOICES = {
-    "trainer.accelerator": ("auto", "cpu", "cuda", "mps"),
-    "trainer.nan_policy": ("stop", "skip"),
-    "trainer.progress": ("auto", "bar", "log", "none"),
-    "checkpoint.mode": ("max", "min"),
-    "checkpoint.on_finish": ("auto", "all", "best_last", "best"),
-    "precision.name": ("fp32", "bf16", "fp16"),
-    "logger.mode": ("auto", "online", "offline", "disabled"),
-    "distributed.backend": ("auto", "nccl", "gloo"),
-    "dataset.decode": ("workers", "cpu", "cuda"),
-    "dataset.eval_size": ("fixed", "full"),
-    "cluster.container.runtime": ("apptainer", "pyxis", "podman"),
-}
 POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_epochs",
             "trainer.max_steps", "trainer.batch_size", "trainer.devices", "trainer.num_nodes",
             "dataset.image_size", "dataset.block_size", "optimizer.lr",
@@ -62,10 +49,10 @@ def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
     read_data=False leaves out the task's check of the data's own files (check_task), for a
     config whose paths stand in for what the command line will give (`labrun configs check`)."""
     check_keys(cfg)
-    for dotted, choices in CHOICES.items():
-        value = OmegaConf.select(cfg, dotted)
-        if value is not None and value not in choices:
-            raise ConfigError(f"{dotted}={value} is not one of: {', '.join(choices)}")
+    declared = collect(SCHEMAS)  # each key's facts, as its schema field states them
+    for dotted, facts in declared.items():
+        if facts.choices:
+            _check_choice(cfg, dotted, facts.choices)
     for dotted in POSITIVE:
         value = OmegaConf.select(cfg, dotted)
         if value is not None and not value > 0:
@@ -99,7 +86,7 @@ def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
         raise ConfigError(
             f"trainer.batch_size={cfg.trainer.batch_size} is not divisible by the world size "
             f"{world_size} (trainer.devices x trainer.num_nodes)")
-    for dotted, facts in collect(SCHEMAS).items():
+    for dotted, facts in declared.items():
         if facts.must_exist:
             _check_exists(cfg, dotted)
     resume = cfg.checkpoint.resume
@@ -320,6 +307,13 @@ def _validate_monitor(cfg: DictConfig) -> None:
         raise ConfigError(f"monitor.gpu_idle_util={monitor.gpu_idle_util} must be below "
                           f"monitor.gpu_good_util={monitor.gpu_good_util}: GPUs busy between "
                           f"the two are underused, above the second well used")
+
+
+def _check_choice(cfg: DictConfig, dotted: str, choices: tuple[str, ...]) -> None:
+    """The key's value is one of the `choices` its schema field declares (key(choices=...))."""
+    value = OmegaConf.select(cfg, dotted)
+    if value is not None and value not in choices:
+        raise ConfigError(f"{dotted}={value} is not one of: {', '.join(choices)}")
 
 
 def _check_exists(cfg: DictConfig, key: str) -> None:

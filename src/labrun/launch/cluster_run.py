@@ -37,6 +37,7 @@ from labrun.core import environment, probes
 from labrun.core.scheduler import ACTIVE_STATES
 from labrun.launch import sweep
 from labrun.runs import lock as run_lock
+from labrun.runs.lock_holder import busy_message, live_holder
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, read_result
 
@@ -80,9 +81,9 @@ def run(config: DictConfig, task_function: TaskFunction) -> int:
         say(f"attached to SLURM job {job.job_id}, which trains this run folder; log "
             f"{job.log}")
     else:
-        holder = run_lock.live_holder(RunDir(run_dir).lock_path)
+        holder = live_holder(RunDir(run_dir).lock_path)
         if holder is not None:  # a run in this folder that is no job of this cluster
-            raise run_lock.RunLocked(run_lock.busy_message(RunDir(run_dir).lock_path, holder))
+            raise run_lock.RunLocked(busy_message(RunDir(run_dir).lock_path, holder))
         task_config = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
         if sweep.completed_with_same_config(run_dir, task_config):
             read_result(job)
@@ -122,10 +123,11 @@ def save_hydra_files(config: DictConfig, run_dir: Path) -> None:
     files again when it starts."""
     HydraConfig.instance().set_config(config)
     task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
-    hydra_dir = RunDir(run_dir).hydra_dir
-    _save_config(task, "config.yaml", hydra_dir)
-    _save_config(OmegaConf.masked_copy(config, ["hydra"]), "hydra.yaml", hydra_dir)
-    _save_config(config.hydra.overrides.task, "overrides.yaml", hydra_dir)
+    folder = RunDir(run_dir)
+    for node, path in ((task, folder.config_path),
+                       (OmegaConf.masked_copy(config, ["hydra"]), folder.hydra_config_path),
+                       (config.hydra.overrides.task, folder.overrides_path)):
+        _save_config(node, path.name, path.parent)
 
 
 def follow(launcher: sweep.SweepLauncher, job: Job) -> int:

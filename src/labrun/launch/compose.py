@@ -1,6 +1,6 @@
 """How a sweep's jobs are composed: JobComposer gives each job the config Hydra's own
-load_sweep_config would compose for it, composing once what the jobs share; gc_kept_off keeps
-Python's cyclic garbage collector off a grid's configs while launch/sweep.plan makes them."""
+load_sweep_config would compose for it, composing once what the jobs share; python_gc_kept_off
+keeps Python's cyclic garbage collector off a grid's configs while launch/sweep.plan makes them."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class JobComposer:
 
 
 @contextlib.contextmanager
-def gc_kept_off():
+def python_gc_kept_off():
     """Python's cyclic garbage collector kept off a grid sweep's job configs: each is
     thousands of small objects, alive until the sweep ends, and each collection would walk
     all of those made so far (at 1,500 jobs, a third of the submission's time). Paused while

@@ -35,9 +35,10 @@ from omegaconf import DictConfig, open_dict
 
 from labrun.core import probes
 from labrun.core.errors import ConfigError
-from labrun.core.scheduler import LocalScheduler
+from labrun.core.scheduler import LocalScheduler, Scheduler
 from labrun.launch import sweep
 from labrun.runs import lock as run_lock
+from labrun.runs.lock_holder import live_holder
 from labrun.runs.sweepdir import Job, read_result, submitit_result
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,11 @@ class LocalLauncher(sweep.SweepLauncher):
         machine.free = [gpu for gpu in machine.free if gpu not in mine]
         machine.running[job.num] = (Attached(job), mine)
 
+    @classmethod
+    def cancel_jobs(cls, asked: Scheduler, jobs: list[Job]) -> None:
+        for job in jobs:  # its controller, or where that is gone the process holding its folder
+            stop_job(job)
+
     def _start_queued(self) -> None:
         """Start the queued jobs that fit now: a free slot and enough free GPUs."""
         machine = self.machine()
@@ -150,7 +156,7 @@ class LocalLauncher(sweep.SweepLauncher):
         sweep_dir = self.sweep_dir
 
         job.path.mkdir(parents=True, exist_ok=True)
-        job.log = str(job.path / "job.log")
+        job.log = str(job.run_dir.job_log_path)
         env = {**{k: str(v) for k, v in self.config.cluster.env.items()},
                "LABRUN_SWEEP_DIR": str(sweep_dir), "LABRUN_JOB_NUM": str(job.num),
                # submitit sets CUDA_VISIBLE_DEVICES="" for a job without GPUs; such a job sees
@@ -244,7 +250,7 @@ class Attached:
 
     def done(self) -> bool:
         return (not LocalScheduler().job_alive(self.job_id)
-                and run_lock.live_holder(self.job.run_dir.lock_path) is None)
+                and live_holder(self.job.run_dir.lock_path) is None)
 
 
 def job_gpus(job: Job) -> list[int]:
@@ -310,7 +316,7 @@ def stop_job(job: Job) -> None:
     if LocalScheduler().job_alive(job.job_id or ""):
         LocalScheduler().cancel([job.job_id])
         return
-    holder = run_lock.live_holder(job.run_dir.lock_path)
+    holder = live_holder(job.run_dir.lock_path)
     if holder is not None and holder.pid != os.getpid():
         with contextlib.suppress(ProcessLookupError):
             os.kill(holder.pid, signal.SIGTERM)

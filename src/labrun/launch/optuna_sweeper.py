@@ -6,7 +6,9 @@ Keys (conf/hparams_search/optuna.yaml; the schema is in hydra_plugins/labrun_lau
     storage      null: a journal file SWEEP_DIR/optuna.journal (Optuna's JournalStorage, made
                  for many processes on a shared file system); a path: a journal file there;
                  a URL (sqlite:///..., postgresql://...): that database
-    study_name, direction (maximize | minimize), sampler (a `_target_`, TPE by default)
+    study_name, sampler (a `_target_`, TPE by default)
+    direction    maximize | minimize; null: the one checkpoint.mode means (max: maximize,
+                 min: minimize)
     n_trials     trials in all, counting those an earlier run of the study finished
     n_jobs       trials in flight at once: when one ends, the next starts (cluster=lab: each
                  trial is one SLURM job, submitted as it is asked)
@@ -43,6 +45,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from labrun.config import validation
+from labrun.config.objective import OPTUNA_DIRECTIONS, optuna_direction
 from labrun.core.errors import ConfigError, LabrunError, one_line
 from labrun.launch import search_space, sweep
 from labrun.runs.rundir import RunDir
@@ -67,11 +70,11 @@ CALLBACK = f"+{TRIAL_CALLBACK}"  # the pruning callback's overrides (train/pruni
 
 
 class OptunaSweeper(Sweeper):
-    def __init__(self, *, storage: str | None, study_name: str | None, direction: str,
+    def __init__(self, *, storage: str | None, study_name: str | None, direction: str | None,
                  n_trials: int, n_jobs: int, max_failure_rate: float, sampler: Any,
                  pruner: Any, params: dict[str, Any] | None) -> None:
         # sampler and pruner arrive built: Hydra instantiates a plugin's config recursively.
-        if direction not in ("maximize", "minimize"):
+        if direction is not None and direction not in OPTUNA_DIRECTIONS.values():
             raise ConfigError(f"hydra.sweeper.direction={direction}: maximize or minimize")
         if n_trials < 1 or n_jobs < 1 or not 0.0 <= max_failure_rate <= 1.0:
             raise ConfigError(f"hydra.sweeper: n_trials={n_trials} and n_jobs={n_jobs} must be "
@@ -87,6 +90,8 @@ class OptunaSweeper(Sweeper):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
               config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
+        if self.direction is None:  # the direction checkpoint.mode means
+            self.direction = optuna_direction(config.checkpoint.mode)
         self.launcher = Plugins.instance().instantiate_launcher(
             config=config, hydra_context=hydra_context, task_function=task_function)
         if not isinstance(self.launcher, sweep.SweepLauncher):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import importlib
 import logging
 import os
 import time
@@ -31,12 +32,19 @@ from labrun.config import facts, validation
 from labrun.core import environment
 from labrun.core.errors import ConfigError, LabrunError
 from labrun.core.scheduler import LIVE_STATES, Scheduler, path_of
-from labrun.launch.compose import JobComposer, gc_kept_off
+from labrun.launch.compose import JobComposer, python_gc_kept_off
 from labrun.runs import lock as run_lock
+from labrun.runs.lock_holder import live_holder
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, SweepDir, print_table, read_result
 
 log = logging.getLogger(__name__)
+
+# Each launcher by its scheduler's name (jobs.json's backend), registered as it is defined:
+# `labrun cancel` stops a sweep's jobs through their launcher's hook (launcher_of).
+LAUNCHERS: dict[str, type[SweepLauncher]] = {}
+# labrun's own launchers, imported by launcher_of (a lab's registers when its module is).
+OWN_LAUNCHERS = ("labrun.launch.local", "labrun.launch.slurm")
 
 
 class SweepLauncher(Launcher):
@@ -58,6 +66,11 @@ class SweepLauncher(Launcher):
     # Whether a run without -m goes through this launcher too (launch/cluster_run.py): on a
     # cluster, where the run must not train on the machine it was typed on.
     SUBMITS_SINGLE_RUNS: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "scheduler" in vars(cls):  # not a plugin's name for a launcher defined already
+            LAUNCHERS[cls.scheduler.name] = cls
 
     def __init__(self) -> None:
         self.config: DictConfig | None = None
@@ -105,6 +118,12 @@ class SweepLauncher(Launcher):
     def adopt(self, job: Job) -> None:
         """Take over waiting for `job`, which an earlier launch started and that still runs."""
 
+    @classmethod
+    def cancel_jobs(cls, asked: Scheduler, jobs: list[Job]) -> None:
+        """`labrun cancel`, from any process: stop these jobs, which wait or run now (a running
+        one saves a checkpoint); `asked`: their scheduler. By default its own cancel."""
+        asked.cancel([job.job_id for job in jobs])
+
     def manifest_extra(self) -> dict[str, Any]:
         """The launcher's own keys in jobs.json."""
         return {}
@@ -120,7 +139,7 @@ class SweepLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
                ) -> Sequence[JobReturn]:
-        with gc_kept_off():
+        with python_gc_kept_off():
             jobs = plan(self.hydra_context, self.config, job_overrides, initial_job_idx,
                         self.composer)
         attached = self._attach(jobs)
@@ -336,7 +355,7 @@ def attach(scheduler: Scheduler, jobs: list[Job], sweep_dir: Path) -> list[Job]:
         raise LabrunError(f"cannot tell whether this sweep's earlier jobs still run ({error}); "
                           f"try again once the scheduler answers") from None
     live = {old.num for old in recorded if states.get(str(old.job_id)) in LIVE_STATES
-            or run_lock.live_holder(old.run_dir.lock_path) is not None}
+            or live_holder(old.run_dir.lock_path) is not None}
     attached = []
     for job in jobs:
         old = earlier.get(job.num)
@@ -354,6 +373,14 @@ def attach(scheduler: Scheduler, jobs: list[Job], sweep_dir: Path) -> list[Job]:
         elif old.job_id:
             job.attempts.append(old.attempt())
     return attached
+
+
+def launcher_of(backend: str) -> type[SweepLauncher]:
+    """The launcher whose scheduler is `backend` (jobs.json's), for its hooks; SweepLauncher's
+    defaults for a lab's launcher whose module this process has not imported."""
+    for module in OWN_LAUNCHERS:
+        importlib.import_module(module)
+    return LAUNCHERS.get(backend, SweepLauncher)
 
 
 def _detached_return(job: Job) -> JobReturn:

@@ -35,10 +35,7 @@ from prometheus_client.registry import Collector
 
 from labrun.core import environment, scheduler
 from labrun.core.errors import ConfigError
-from labrun.core.scheduler.slurm import (  # noqa: F401 - controller_address: as it was
-    SlurmScheduler,
-    controller_address,
-)
+from labrun.core.scheduler import Scheduler
 from labrun.runs.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -81,7 +78,7 @@ class TrainingStats:
     epoch: int = 0  # epochs completed (metrics.jsonl's "epoch" of the last logged point)
     loss: float | None = None  # train/loss of the last logged point
     lr: float | None = None
-    monitor: str = "val/acc"  # checkpoint.monitor
+    monitor: str | None = None  # checkpoint.monitor, as the last logged point gave it (record)
     monitored: float | None = None  # its last value
     # steps and samples change together (count_step) and a scrape reads them together
     # (counts()), so that no scrape sees a step without its images: the scrape runs in the
@@ -366,14 +363,11 @@ def listen_address(bind: str) -> str:
     return address
 
 
-def node_address(slurm_conf: str | Path | None = None) -> tuple[str | None, str]:
+def node_address(asked: Scheduler | None = None) -> tuple[str | None, str]:
     """(the address of this node's interface that routes to the controller, "") or (None, why
     there is none). The lab's Prometheus reaches compute nodes the way the controller does.
-    The scheduler asked is this process's (core.scheduler.here); with `slurm_conf`, SLURM's
-    controller of that file."""
-    if slurm_conf is not None:
-        return SlurmScheduler(slurm_conf=slurm_conf).node_address()
-    return scheduler.here().node_address()
+    The scheduler asked is `asked`, by default this process's (core.scheduler.here)."""
+    return (scheduler.here() if asked is None else asked).node_address()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,7 +381,7 @@ def run_labels(run_dir: str | Path, *, sweep_dir: str | None = None,
     return {"run": Path(run_dir).resolve().name,
             "sweep": Path(sweep_dir).name if sweep_dir else "",
             "experiment": experiment or "", "user": _user(), "host": socket.gethostname(),
-            "slurm_job_id": slurm_job_id()}
+            "slurm_job_id": scheduler_job_id()}
 
 
 def _user() -> str:
@@ -397,7 +391,7 @@ def _user() -> str:
         return ""
 
 
-def slurm_job_id() -> str:
+def scheduler_job_id() -> str:
     """The scheduler's id of this job as its queue shows it (ARRAYJOB_TASK for an array task),
     "" outside a job; the label keeps its name from when SLURM was the only scheduler."""
     return environment.read().queue_id

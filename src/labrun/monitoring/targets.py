@@ -7,8 +7,9 @@ and writes Prometheus's file-based service discovery format (file_sd):
 
     [{"targets": ["ADDR:PORT"], "labels": {"run": "...", ..., "node_rank": "0"}}, ...]
 
-Liveness is runs.lock's own judgement of a holder (`read_holder` + `stale_reason`), the one a
-second writer gets: a run listed here is one that `python train.py` would refuse to train into.
+Liveness is the lock's own judgement of a holder (runs/lock_holder.py's live_holder, judged as
+a claimant would: stale_reason), the one a second writer gets: a run listed here is one that
+`python train.py` would refuse to train into.
 An ended run has released its lock (or its holder is gone), so it leaves the list at the next
 refresh, even if its node file stayed behind (a killed run cannot remove it).
 
@@ -28,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from labrun.core.files import write_json_atomic
-from labrun.runs import lock
-from labrun.runs.rundir import RunDir
+from labrun.runs.lock_holder import Holder, live_holder, me
+from labrun.runs.rundir import RUN_MARKERS, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,6 @@ log = logging.getLogger(__name__)
 # the run (one killed before it could remove it): the node writes its file after the lock is
 # taken, so only clock skew between nodes (NTP: well under a second) can put it earlier.
 NODE_FILE_SKEW_S = 60.0
-# Names (RunDir's layout) that mark a folder as a run folder: the walk checks it and does not
-# descend further (a run's checkpoints/, wandb/ ... hold no runs).
-RUN_MARKERS = (".lock", "monitor", ".hydra", "summary.json")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
@@ -64,6 +62,8 @@ def run_folders(roots: Iterable[str | Path]) -> Iterator[Path]:
     for root in roots:
         for folder, subfolders, files in os.walk(root):
             names = set(subfolders) | set(files)
+            # A run folder (RunDir's RUN_MARKERS): checked, and not descended further (a run's
+            # checkpoints/, wandb/ ... hold no runs).
             if any(marker in names for marker in RUN_MARKERS):
                 subfolders[:] = []
                 key = os.path.realpath(folder)
@@ -74,25 +74,11 @@ def run_folders(roots: Iterable[str | Path]) -> Iterator[Path]:
                 subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
 
 
-def live_holder(run_dir: Path, observer: lock.Holder | None = None) -> lock.Holder | None:
-    """The process that trains in `run_dir` now; None when nobody does (no lock, or a stale
-    one: its PID is gone, its SLURM job ended, or its heartbeat stopped)."""
-    path = RunDir(run_dir).lock_path
-    holder = lock.read_holder(path)
-    if holder is None:
-        return None
-    # The observer is this process, which holds nothing: the requeue rule of stale_reason
-    # (same SLURM job, higher restart count) only ever applies to a training process.
-    if lock.stale_reason(holder, path, observer or lock.me()) is not None:
-        return None
-    return holder
-
-
 def _label_value(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def node_target(run_dir: Path, node: dict[str, Any], holder: lock.Holder) -> Target | None:
+def node_target(run_dir: Path, node: dict[str, Any], holder: Holder) -> Target | None:
     """The target one node description describes; None (with a log line) for one that is no
     endpoint description or that an earlier attempt of the run left behind."""
     try:
@@ -121,7 +107,9 @@ def node_target(run_dir: Path, node: dict[str, Any], holder: lock.Holder) -> Tar
 
 def discover(roots: Iterable[str | Path]) -> list[Target]:
     """One target per node description of every run under `roots` that trains now."""
-    observer = lock.me()
+    # The observer is this process, which holds nothing: the requeue rule of stale_reason
+    # (same job, higher restart count) only ever applies to a training process.
+    observer = me()
     targets = []
     for run_dir in run_folders(roots):
         folder = RunDir(run_dir)
@@ -130,7 +118,7 @@ def discover(roots: Iterable[str | Path]) -> list[Target]:
         nodes = folder.monitor_endpoints()
         if not nodes:
             continue
-        holder = live_holder(run_dir, observer)
+        holder = live_holder(folder.lock_path, observer)
         if holder is None:
             continue
         for node in nodes:

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from labrun.config.messages import user_error_message
 from labrun.config.resolve import PRIMARY, Leaves, flatten, hydra_context
 from labrun.core.errors import LabrunError, first_line
+from labrun.runs.rundir import RunDir
 
 
 def diff(a: str, b: str, config_dir: Path, config_name: str = PRIMARY,
@@ -106,7 +107,7 @@ def _revision_spec(spec: str, config_dir: Path) -> tuple[Path, str, list[str]] |
 def load_side(spec: str, config_dir: Path, config_name: str) -> tuple[DictConfig, str]:
     """A run folder's saved config, or the config an override list composes."""
     if spec and Path(spec).is_dir():
-        saved = Path(spec) / ".hydra" / "config.yaml"
+        saved = RunDir(spec).config_path
         if not saved.is_file():
             raise LabrunError(f"{spec} is not a run folder (no .hydra/config.yaml)")
         return OmegaConf.load(saved), f"run folder {spec}"

@@ -13,13 +13,14 @@ checkpoint, metrics.jsonl, summary.json and the rank files (`ensure_owner`, call
 and CheckpointManager), and stops without writing (LockLost) when it does not.
 
 The lock file is JSON: host, PID, the PID's start time in clock ticks since boot (so that a
-reused PID is not taken for the holder), SLURM job id and restart count, the launch, the
-wall-clock start, and the token. A second process is refused in one line naming the holder.
-A lock is taken over, with one line saying why, when it is stale:
+reused PID is not taken for the holder), its scheduler's job id and restart count, the launch,
+the wall-clock start, the token, and the scheduler's name. A second process is refused in one
+line naming the holder. A lock is taken over, with one line saying why, when it is stale:
   - same host: the PID is gone, a zombie (exited, not yet reaped), or another process now;
-  - the holder's SLURM job no longer runs (asked through labrun.core.scheduler; where SLURM
-    cannot be asked, this is unknown and the heartbeat decides);
-  - another host and no SLURM answer: the heartbeat (the lock file's mtime, touched every
+  - the holder's scheduler job no longer runs (asked of the scheduler the holder names, through
+    labrun.core.scheduler; SLURM for a holder that names none; where it cannot be asked, this
+    is unknown and the heartbeat decides);
+  - another host and no scheduler's answer: the heartbeat (the lock file's mtime, touched every
     HEARTBEAT_S by a thread of the holder) is older than STALE_AFTER_S;
   - or it is displaced: a requeued SLURM job keeps its job id, so the same job id with a higher
     SLURM_RESTART_COUNT takes the lock from the older attempt, which may still be running on a
@@ -80,8 +81,9 @@ still complete one write. Log lines (train.log) of a displaced holder may appear
 next write check. Hosts are told apart by hostname: two containers with one hostname and
 separate PID namespaces would see each other's PIDs as gone.
 
-The lock file's content and the judging of its holder (the staleness policy above) are
-runs/lock_holder.py's; this module takes, keeps and gives back the lock.
+The lock file's content, the judging of its holder (the staleness policy above) and whether a
+live process holds a folder (live_holder) are runs/lock_holder.py's, which never calls back
+here; this module takes, keeps and gives back the lock. Callers import each name from its own.
 """
 
 from __future__ import annotations
@@ -98,17 +100,14 @@ from pathlib import Path
 
 from labrun.core import environment
 from labrun.core.errors import LabrunError
-from labrun.runs.lock_holder import (  # noqa: F401 - re-exported: lock.read_holder and the rest
-    SLURM_ACTIVE,
+from labrun.runs.lock_holder import (
     STALE_AFTER_S,
     Holder,
     busy_message,
     gone_reason,
     launch_id,
-    live_holder,
     look,
     me,
-    pid_start,
     read_holder,
     stale_reason,
 )

@@ -1,7 +1,10 @@
-"""Who holds a run folder's lock, and whether it still trains: the lock file's content (Holder,
-read by `labrun status`, the monitor's targets and rerun as well), one read of it (look), and
-the staleness policy a claimant judges a holder by (stale_reason). Taking, keeping and giving
-back the lock, and the protocol on a shared file system, are runs/lock.py's."""
+"""Who holds a run folder's lock, and whether that holder still trains, read and never written:
+the lock file's content (Holder; `me`, this process as one), one read of it (look), the
+staleness policy a claimant judges a holder by (stale_reason, gone_reason: its process, the job
+of the scheduler it names, its heartbeat), and the one answer to "does a live process hold
+this folder" (live_holder), which `labrun status`, cancel, gc, eval, resume, the monitor's
+targets and the launchers ask. Taking, keeping and giving back the lock, and the protocol on a
+shared file system, are runs/lock.py's: it calls into this module, never the reverse."""
 
 from __future__ import annotations
 
@@ -11,17 +14,19 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from labrun.core import environment
-from labrun.core.scheduler import ACTIVE_STATES, SlurmScheduler
+from labrun.core import environment, scheduler
+from labrun.core.errors import LabrunError
 
 # 10 minutes without a heartbeat: 20 missed beats, far above an NFS server's hiccup or clock
 # skew between NTP-synchronised nodes, short enough next to a requeue's wait.
 STALE_AFTER_S = 600.0
-# The states in which a job's processes may still be running (core.scheduler's).
-SLURM_ACTIVE = ACTIVE_STATES
+# Whose job a holder written before holders named their scheduler is: SLURM's, the scheduler
+# such a holder was judged by then, and still is (a job running through the upgrade keeps its
+# folder).
+UNNAMED_SCHEDULER = "slurm"
 
 
 @dataclass(frozen=True)
@@ -29,11 +34,14 @@ class Holder:
     host: str
     pid: int
     pid_start: int | None  # /proc/PID/stat start time (ticks since boot); None: unknown
-    job_id: str | None  # SLURM_JOB_ID
-    restart: int  # SLURM_RESTART_COUNT
+    job_id: str | None  # its scheduler's job (SLURM_JOB_ID)
+    restart: int  # its scheduler's requeues of the job (SLURM_RESTART_COUNT)
     launch: str | None  # what the ranks of one launch share (see launch_id)
     started_at: float
     token: str
+    # The scheduler whose job it is ("slurm"; core.scheduler.named); None: none's, or a holder
+    # written before holders named it.
+    scheduler: str | None = None
 
     def who(self) -> str:
         job = f" (SLURM job {self.job_id}" + (f", restart {self.restart})" if self.restart
@@ -73,7 +81,7 @@ def me() -> Holder:
     here = environment.read()
     return Holder(host=socket.gethostname(), pid=os.getpid(), pid_start=pid_start(os.getpid()),
                   job_id=here.job_id, restart=here.restart_count, launch=here.launch_id,
-                  started_at=time.time(), token=secrets.token_hex(8))
+                  started_at=time.time(), token=secrets.token_hex(8), scheduler=here.scheduler)
 
 
 @dataclass(frozen=True)
@@ -101,8 +109,10 @@ def look(path: str | Path) -> Seen:
     key = hashlib.sha256(raw).hexdigest()[:16]
     try:
         data = json.loads(raw)
-        # Keys a later labrun adds are ignored; a file without these keys is no lock.
-        return Seen(holder=Holder(**{f.name: data[f.name] for f in fields(Holder)}), key=key)
+        # Keys a later labrun adds are ignored; a file without these keys is no lock (one
+        # without a key added since, written by an earlier labrun, takes its default).
+        return Seen(holder=Holder(**{f.name: data[f.name] for f in fields(Holder)
+                                     if f.name in data or f.default is MISSING}), key=key)
     except (ValueError, TypeError, KeyError):
         return Seen(junk=raw, key=key)
 
@@ -113,14 +123,17 @@ def read_holder(path: str | Path) -> Holder | None:
     return look(path).holder
 
 
-def live_holder(path: str | Path) -> Holder | None:
+def live_holder(path: str | Path, claimant: Holder | None = None) -> Holder | None:
     """The holder of lock file `path` while it still trains (its process alive on this host,
-    its SLURM job running elsewhere); None when nobody holds it or the holder is gone: how a
-    sweep tells a job that outlived its launcher."""
+    its scheduler's job running elsewhere); None when nobody holds it or the holder is gone.
+    With `claimant`, judged as that process would judge it before taking the folder
+    (stale_reason: a later attempt of the holder's own job does not see it live)."""
     holder = read_holder(path)
-    if holder is None or gone_reason(holder, path, socket.gethostname()) is not None:
+    if holder is None:
         return None
-    return holder
+    why = (gone_reason(holder, path, socket.gethostname()) if claimant is None
+           else stale_reason(holder, path, claimant))
+    return holder if why is None else None
 
 
 def busy_message(path: str | Path, holder: Holder) -> str:
@@ -132,10 +145,15 @@ def busy_message(path: str | Path, holder: Holder) -> str:
 # -- judging a holder --------------------------------------------------------------------------
 
 
-def slurm_job_active(job_id: str) -> bool | None:
-    """Whether SLURM job `job_id` may still have processes running; None: SLURM cannot tell.
-    (15 s at most: judging a lock waits no longer for the controller.)"""
-    return SlurmScheduler(timeout=15).job_alive(job_id)
+def job_alive(holder: Holder) -> bool | None:
+    """Whether the holder's job may still have processes running, asked of the scheduler that
+    ran it (the one it names); None: that scheduler cannot tell, or this process does not
+    know it. (SLURM answers within 15 s: judging a lock waits no longer for the controller.)"""
+    try:
+        ran_it = scheduler.named(holder.scheduler or UNNAMED_SCHEDULER)
+    except LabrunError:
+        return None
+    return ran_it.job_alive(holder.job_id)
 
 
 def stale_reason(holder: Holder, path: str | Path, mine: Holder) -> str | None:
@@ -157,7 +175,7 @@ def gone_reason(holder: Holder, path: str | Path, host: str) -> str | None:
             return f"PID {holder.pid} is gone (exited, not yet reaped)"
         return None
     if holder.job_id:
-        active = slurm_job_active(holder.job_id)
+        active = job_alive(holder)
         if active is not None:
             return None if active else f"SLURM job {holder.job_id} is no longer running"
     try:

@@ -3,7 +3,9 @@
     RUN/
       .hydra/config.yaml      the composed config, as Hydra saved it (unresolved)
       .hydra/overrides.yaml   the command-line overrides the run was started with
+      .hydra/hydra.yaml       Hydra's own settings for the run (the `hydra` section)
       train.log               Hydra's per-run log file
+      job.log                 a local sweep job's stdout and stderr (launch.local)
       summary.json            status (STATUSES), started_at/ended_at, last/*, best/*, error,
                               requeued, stopped_early
       metrics.jsonl           one JSON object per logged point: step, epoch, time, metrics
@@ -33,12 +35,14 @@ import math
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from labrun.config.objective import DEFAULT_MODE, DEFAULT_MONITOR
 from labrun.core.files import read_jsonl, write_json_atomic, write_text_atomic
 from labrun.runs.lock import ensure_owner
 
@@ -61,6 +65,31 @@ def _clean(value: Any) -> Any:
 def is_metric_value(value: Any) -> bool:
     """A value that counts as a metric: a finite number (not a bool, not null)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def best_key(metric: str) -> str:
+    """The summary.json key of the best value of `metric` so far: best/METRIC (the trainer
+    writes it for checkpoint.monitor)."""
+    return f"best/{metric}"
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a run's summary.json says it is judged by (checkpoint.monitor and checkpoint.mode,
+    recorded as "monitor" and "mode") and how it fares: its best value so far and its last.
+    A summary from before "monitor" and "mode" were recorded reads as DEFAULT_MONITOR and
+    DEFAULT_MODE."""
+
+    monitor: str
+    mode: str
+    best: Any  # best/MONITOR: a number, or None before the first finite value
+    final: Any  # MONITOR's last value
+
+    @classmethod
+    def of(cls, summary: dict[str, Any]) -> Objective:
+        monitor = summary.get("monitor", DEFAULT_MONITOR)
+        return cls(monitor=monitor, mode=summary.get("mode", DEFAULT_MODE),
+                   best=summary.get(best_key(monitor)), final=summary.get(monitor))
 
 
 class RunDir:
@@ -98,8 +127,17 @@ class RunDir:
         return self.hydra_dir / "overrides.yaml"
 
     @property
+    def hydra_config_path(self) -> Path:
+        return self.hydra_dir / "hydra.yaml"
+
+    @property
     def log_path(self) -> Path:
         return self.path / "train.log"
+
+    @property
+    def job_log_path(self) -> Path:
+        """Where the local launcher sends a sweep job's stdout and stderr."""
+        return self.path / "job.log"
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -191,6 +229,10 @@ class RunDir:
             return json.loads(self.summary_path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
+
+    def read_objective(self) -> Objective:
+        """The run's objective, as summary.json says it now (Objective.of(read_summary()))."""
+        return Objective.of(self.read_summary())
 
     def _ensure_owner(self) -> None:
         ensure_owner(self.lock_path)
@@ -306,3 +348,10 @@ class RunDir:
             except (OSError, json.JSONDecodeError):
                 continue
         return sorted(found, key=lambda e: e.get("node_rank", 0))
+
+
+# The names whose presence marks a folder as a run folder, for a walk that looks for runs by
+# listing folders (monitoring.targets): the lock, monitor/, Hydra's .hydra/ and summary.json.
+_LAYOUT = RunDir(".")
+RUN_MARKERS = tuple(path.name for path in (_LAYOUT.lock_path, _LAYOUT.monitor_dir,
+                                           _LAYOUT.hydra_dir, _LAYOUT.summary_path))

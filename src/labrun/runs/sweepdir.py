@@ -30,7 +30,7 @@ from rich.text import Text
 
 from labrun.core.errors import LabrunError
 from labrun.core.files import write_json_atomic
-from labrun.runs.rundir import RunDir
+from labrun.runs.rundir import Objective, RunDir
 
 if TYPE_CHECKING:
     from labrun.views.efficiency import Efficiency
@@ -137,7 +137,7 @@ class SweepDir:
                 continue
             seen.add((stat.st_dev, stat.st_ino))
             total += stat.st_size
-            checkpoints += stat.st_size if path.parent.name == "checkpoints" else 0
+            checkpoints += stat.st_size if RunDir.of_checkpoint(path) is not None else 0
         return total, checkpoints
 
     def study_record(self) -> dict[str, str] | None:
@@ -194,8 +194,7 @@ def read_result(job: Job) -> None:
     """Fill the job's state, metric and error from what the job itself wrote."""
     run_dir = job.run_dir
     summary = run_dir.read_summary()
-    monitor = summary.get("monitor", "val/acc")
-    job.metric = summary.get(f"best/{monitor}")
+    job.metric = Objective.of(summary).best
     status = summary.get("status")
     rank_errors = run_dir.rank_errors()
     if job.cancelled_at and status != "completed":  # stopped by `labrun cancel`

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from labrun.runs.rundir import ROW_BOOKKEEPING, RunDir, is_metric_value
+from labrun.runs.rundir import ROW_BOOKKEEPING, RunDir, best_key, is_metric_value
 
 if TYPE_CHECKING:
     from labrun.views.compare import Run
@@ -46,7 +46,8 @@ def hparam_value(text: str) -> float | str:
 
 
 def metric_tags(metric: str) -> tuple[str, str]:
-    return f"best/{metric}", f"final/{metric}"
+    """The tags of `metric`'s best and last value; the best as summary.json names it."""
+    return best_key(metric), f"final/{metric}"
 
 
 @dataclass

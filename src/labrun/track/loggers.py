@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from labrun.core import probes
 from labrun.core.errors import one_line
 from labrun.data import call_target
-from labrun.runs.rundir import RunDir, is_metric_value
+from labrun.runs.rundir import Objective, RunDir, is_metric_value
 from labrun.runs.sweepdir import parse_overrides
 from labrun.track import wandb_history
 from labrun.track.hparams import hparam_value, metric_tags
@@ -225,11 +225,11 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, step)
 
     def finish(self, status: str, summary: dict[str, Any]) -> None:
-        monitor = summary.get("monitor")
+        objective = Objective.of(summary)  # the trainer's: it records monitor and mode
         values = {"status": status, **{key: hparam_value(value)
                                        for key, value in self.overrides.items()}}
-        best, final = summary.get(f"best/{monitor}"), summary.get(monitor)
-        metrics = {tag: value for tag, value in zip(metric_tags(monitor), (best, final),
+        metrics = {tag: value for tag, value in zip(metric_tags(objective.monitor),
+                                                    (objective.best, objective.final),
                                                     strict=True) if is_metric_value(value)}
         try:
             # run_name ".": the session is this run's own event folder, beside its scalars.

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from labrun.config.objective import better, to_beat
 from labrun.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -102,8 +103,7 @@ class EarlyStopping(Callback):
         value = metrics.get(monitor)
         if value is None or not math.isfinite(value):
             self.wait += 1
-        elif self.best is None or (value > self.best + self.min_delta if mode == "max"
-                                   else value < self.best - self.min_delta):
+        elif self.best is None or better(mode)(value, to_beat(self.best, self.min_delta, mode)):
             self.best, self.best_epoch, self.wait = value, at, 0
         else:
             self.wait += 1

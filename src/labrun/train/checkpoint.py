@@ -31,6 +31,9 @@ import numpy as np
 import torch
 
 import labrun
+from labrun.config.fields import field_facts
+from labrun.config.objective import DEFAULT_MODE, DEFAULT_MONITOR, better
+from labrun.config.schema import CheckpointConfig
 from labrun.core.errors import LabrunError
 from labrun.core.files import atomic_path
 from labrun.runs.lock import ensure_owner
@@ -38,8 +41,9 @@ from labrun.runs.rundir import RunDir
 
 STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
 # checkpoint.on_finish: what a completed or pruned run keeps. "auto" is best_last in a sweep job
-# (launch/sweep.py writes that into the job's config) and all in a single run.
-ON_FINISH = ("auto", "all", "best_last", "best")
+# (launch/sweep.py writes that into the job's config) and all in a single run. The values are
+# the ones its schema field declares.
+ON_FINISH = field_facts(CheckpointConfig, "on_finish").choices
 
 
 class CheckpointError(LabrunError):
@@ -121,12 +125,20 @@ def save_weights_only(path: str | Path, model: dict[str, torch.Tensor], *,
 
 
 class CheckpointManager:
-    def __init__(self, folder: str | Path, monitor: str = "val/acc", mode: str = "max",
-                 keep_last: int = 3):
+    def __init__(self, folder: str | Path, monitor: str = DEFAULT_MONITOR,
+                 mode: str = DEFAULT_MODE, keep_last: int = 3):
         self.folder = Path(folder)
         self.monitor, self.mode, self.keep_last = monitor, mode, keep_last
         # The run folder's lock (runs/lock.py), checked before every write.
         self.lock_path = RunDir(self.folder.parent).lock_path
+
+    @property
+    def last_path(self) -> Path:
+        return self.folder / "last.pt"
+
+    @property
+    def best_path(self) -> Path:
+        return self.folder / "best.pt"
 
     # -- deciding what is best -----------------------------------------------------------------
 
@@ -135,7 +147,7 @@ class CheckpointManager:
             return False
         if best is None:
             return True
-        return value > best if self.mode == "max" else value < best
+        return better(self.mode)(value, best)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -146,9 +158,9 @@ class CheckpointManager:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{step:08d}.pt"
         self._write_atomic(state, path)
-        self._link(path, self.folder / "last.pt")
+        self._link(path, self.last_path)
         if is_best:
-            self._link(path, self.folder / "best.pt")
+            self._link(path, self.best_path)
         self._prune()
         return path
 
@@ -197,7 +209,7 @@ class CheckpointManager:
         if policy in ("all", "auto") or not self.folder.is_dir():
             return []
         files = self.history()
-        last, best = self.folder / "last.pt", self.folder / "best.pt"
+        last, best = self.last_path, self.best_path
         if policy == "none" or (policy == "best" and best.exists()):
             files.append(last)
         if policy == "none":
@@ -225,8 +237,8 @@ class CheckpointManager:
         candidates = list(reversed(self.history()))
         # last.pt after the newest step file: save() renames a step file into place before it
         # points last.pt at it, so a kill in between leaves last.pt one checkpoint behind.
-        if (self.folder / "last.pt").exists():
-            candidates.insert(1, self.folder / "last.pt")
+        if self.last_path.exists():
+            candidates.insert(1, self.last_path)
         if not candidates:
             return None
         for path in candidates:

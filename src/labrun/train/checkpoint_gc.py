@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from labrun.config.objective import DEFAULT_MODE, best_first
 from labrun.runs import lock as run_lock
+from labrun.runs.lock_holder import live_holder
 from labrun.runs.sweepdir import Job, SweepDir, read_result
 from labrun.train.checkpoint import CheckpointManager
 
@@ -51,13 +53,13 @@ def collect(sweep_dir: Path, keep_best: int | None = None, dry_run: bool = False
         policy = "best_last" if policy == "auto" else policy
         if best is not None and job.num not in best:
             policy = "none"
-        holder = run_lock.live_holder(job.run_dir.lock_path)
+        holder = live_holder(job.run_dir.lock_path)
         if holder is not None:
             result.kept.append(f"job {job.num}: {holder.who()} holds its folder; not touched")
             continue
         lock = None if dry_run else run_lock.acquire(job.run_dir.lock_path)
         try:
-            checkpoints = CheckpointManager(job.path / "checkpoints")
+            checkpoints = CheckpointManager(job.run_dir.checkpoints_dir)
             result.removed += checkpoints.keep_on_finish(policy, dry_run)
         finally:
             if lock is not None:
@@ -70,7 +72,7 @@ def top(jobs: list[Job], k: int) -> list[int]:
     a job without a metric ranks last."""
     def rank(job: Job) -> tuple[bool, float]:
         config = job.run_dir.saved_config_node()
-        sign = -1 if config is None or config.checkpoint.get("mode", "max") == "max" else 1
-        return job.metric is None, sign * (job.metric or 0.0)
+        mode = DEFAULT_MODE if config is None else config.checkpoint.get("mode", DEFAULT_MODE)
+        return job.metric is None, best_first(mode)(job.metric or 0.0)
 
     return [job.num for job in sorted(jobs, key=rank)[:k]]

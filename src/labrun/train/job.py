@@ -115,17 +115,17 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
         initial_weights.load(model, cfg.model, start,
                              len(dataset.info.get("class_names") or []) or None)
 
-    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.monitor,
+    folder = RunDir(run_dir, writer=dist.is_main)
+    checkpoints = CheckpointManager(folder.checkpoints_dir, cfg.checkpoint.monitor,
                                     cfg.checkpoint.mode, cfg.checkpoint.keep_last)
     resume = find_resume_state(cfg, checkpoints)
-    folder = RunDir(run_dir, writer=dist.is_main)
     # metrics.jsonl keeps what happened up to the step this run starts from: a resumed run logs
     # the later steps again, and a run from scratch (checkpoint.resume=never, or an earlier
     # attempt that ended before its first checkpoint) logs every step again.
     folder.truncate_metrics_after(resume["step"] if resume is not None else 0)
     recorded = {}
     if dist.is_main:
-        recorded = provenance.write(run_dir / "provenance", launch["overrides"], PROJECT_DIR,
+        recorded = provenance.write(folder.provenance_dir, launch["overrides"], PROJECT_DIR,
                                     *started_by(),
                                     weights=start.record() if start is not None else None,
                                     split=split_record(cfg.dataset))

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 import labrun
 from labrun.models import unwrap
+from labrun.runs.rundir import best_key
 from labrun.train import checkpoint as ckpt
 from labrun.train.checkpoint import CheckpointState
 from labrun.train.progress import StepWindow
@@ -63,4 +64,4 @@ def restore(trainer: Trainer, state: CheckpointState) -> None:
         if name in trainer.callbacks:  # a callback added on resume starts fresh
             trainer.callbacks[name].load_state_dict(callback_state)
     ckpt.set_rng_state(state["rng"])  # job.py has cut metrics.jsonl back to this step already
-    trainer.folder.summary.update({f"best/{trainer.cfg.checkpoint.monitor}": trainer.best})
+    trainer.folder.summary.update({best_key(trainer.cfg.checkpoint.monitor): trainer.best})

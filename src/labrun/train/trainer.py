@@ -35,7 +35,7 @@ from labrun.core.errors import LabrunError, RunInterrupted, one_line
 from labrun.data import Data
 from labrun.models import unwrap
 from labrun.monitoring.metrics_endpoint import GpuPoller, TrainingStats
-from labrun.runs.rundir import RunDir
+from labrun.runs.rundir import RunDir, best_key
 from labrun.track.loggers import NoTracker, Tracker
 from labrun.train import callbacks as callback_registry
 from labrun.train import checkpoint as ckpt
@@ -289,7 +289,7 @@ class Trainer:
         improved = self.checkpoints.is_better(value, self.best)
         if improved:
             self.best = value
-        point = {**val, f"best/{monitor}": self.best}
+        point = {**val, best_key(monitor): self.best}
         self.log(point)
         self.folder.update_summary(epoch=self.epoch, step=self.step, **point)
         self.save_checkpoint(is_best=improved)
@@ -298,7 +298,7 @@ class Trainer:
     def test_best(self) -> None:
         if self.dist.enabled:
             torch.distributed.barrier()  # rank 0 may still be writing best.pt
-        best = self.checkpoints.folder / "best.pt"
+        best = self.checkpoints.best_path
         if best.exists():
             unwrap(self.model).load_state_dict(ckpt.load(best)["model"])
         test = self.evaluate("test")

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from labrun.config.objective import best_first
 from labrun.core.errors import LabrunError
 from labrun.views import compare_output as output
 from labrun.views.compare import (
@@ -147,4 +148,4 @@ def _sort_key(group: Group, column: str, mode: str) -> tuple:
     mean = group.stats[column].mean
     if mean is None:
         return (1, 0.0)
-    return (0, -mean if mode == "max" else mean)
+    return (0, best_first(mode)(mean))

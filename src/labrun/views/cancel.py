@@ -21,9 +21,9 @@ from pathlib import Path
 
 from labrun.core import scheduler
 from labrun.core.errors import LabrunError
-from labrun.core.scheduler import LIVE_STATES, LocalScheduler
-from labrun.launch.local import stop_job
-from labrun.runs import lock as run_lock
+from labrun.core.scheduler import LIVE_STATES
+from labrun.launch.sweep import launcher_of
+from labrun.runs.lock_holder import live_holder
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, SweepDir, has_ended
 
@@ -37,7 +37,7 @@ def not_ended(backend: str, scheduler_path: str | None, jobs: list[Job]) -> list
     states = scheduler.named(backend, scheduler_path).job_states(
         [job.job_id for job in candidates]) if candidates else {}
     return [job for job in candidates if states.get(job.job_id) in LIVE_STATES
-            or run_lock.live_holder(job.run_dir.lock_path) is not None]
+            or live_holder(job.run_dir.lock_path) is not None]
 
 
 def cancel(sweep_dir: Path) -> list[Job]:
@@ -60,11 +60,9 @@ def cancel(sweep_dir: Path) -> list[Job]:
         manifest = {**manifest, "jobs": sweep.read_jobs()["jobs"]}  # what it recorded last
         jobs = manifest["jobs"]
     live = not_ended(backend, manifest.get("scheduler"), jobs)
-    if backend == LocalScheduler.name:
-        for job in live:
-            stop_job(job)
-    elif live:
-        scheduler.named(backend, manifest.get("scheduler")).cancel([job.job_id for job in live])
+    if live:  # the way their launcher stops them (its hook; by default their scheduler's cancel)
+        launcher_of(backend).cancel_jobs(scheduler.named(backend, manifest.get("scheduler")),
+                                         live)
     now = time.time()
     for job in live:
         job.state, job.cancelled_at = "cancelled", now
@@ -82,7 +80,7 @@ def cancel_run_here(run_dir: Path) -> list[Job]:
         raise LabrunError(f"{run_dir} is neither a sweep folder (no jobs.json) nor a run folder "
                           f"(no .hydra/ or summary.json); give multirun/DATE/TIME-XXXX or "
                           f"outputs/DATE/TIME-XXXX")
-    holder = run_lock.live_holder(RunDir(run_dir).lock_path)
+    holder = live_holder(RunDir(run_dir).lock_path)
     if holder is None:
         return []
     if holder.host != socket.gethostname():

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from labrun.config.objective import DEFAULT_MONITOR, best_first, best_of
 from labrun.core.errors import LabrunError
 from labrun.runs import provenance
-from labrun.runs.rundir import ROW_BOOKKEEPING, RunDir, is_metric_value
+from labrun.runs.rundir import ROW_BOOKKEEPING, RunDir, best_key, is_metric_value
 from labrun.runs.sweepdir import SweepDir, parse_overrides
 from labrun.views import compare_output as output
 
@@ -197,7 +198,7 @@ def choose_metric(runs: list[Run], metric: str | None, mode: str | None) -> tupl
         if len(monitors) > 1:
             raise LabrunError(f"the runs monitor different metrics ({', '.join(sorted(monitors))})"
                               f"; choose one with --metric")
-        metric = monitors.pop() if monitors else "val/acc"
+        metric = monitors.pop() if monitors else DEFAULT_MONITOR
     known = known_metrics(runs)
     if metric not in known:
         hint = difflib.get_close_matches(metric, sorted(known), n=1)
@@ -228,10 +229,10 @@ def default_mode(runs: list[Run], metric: str) -> str:
 def best_and_final(run: Run, metric: str, mode: str) -> tuple[float | None, float | None]:
     values = [row[metric] for row in run.history if is_metric_value(row.get(metric))]
     if values:
-        return (max(values) if mode == "max" else min(values)), values[-1]
+        return best_of(values, mode), values[-1]
     # No history (metrics.jsonl lost): the summary keeps the last and the monitored best.
     final = run.summary.get(metric) if is_metric_value(run.summary.get(metric)) else None
-    best = run.summary.get(f"best/{metric}")
+    best = run.summary.get(best_key(metric))
     return (best if is_metric_value(best) else final), final
 
 
@@ -239,7 +240,7 @@ def sort_key(run: Run, mode: str) -> tuple:
     """Completed runs first, best first; then the rest, also best first; no value last."""
     if run.best is None:
         return (run.status != "completed", 1, 0.0)
-    return (run.status != "completed", 0, -run.best if mode == "max" else run.best)
+    return (run.status != "completed", 0, best_first(mode)(run.best))
 
 
 def differing_overrides(runs: list[Run]) -> list[str]:

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from labrun.core.errors import LabrunError
 from labrun.core.project import PROJECT_DIR
-from labrun.runs import lock, provenance
+from labrun.runs import provenance
+from labrun.runs.lock import RunLocked
+from labrun.runs.lock_holder import busy_message, live_holder, me
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import SweepDir
 
@@ -85,10 +87,9 @@ def resume(run_dir: Path, extra: list[str]) -> int:
     # sent to a cluster (its folder records the job: jobs.json) is train.py's to judge: it
     # attaches to the job still holding the folder, or submits it again.
     path = RunDir(run_dir).lock_path
-    holder = lock.read_holder(path)
-    if (holder is not None and not SweepDir(run_dir).jobs_path.is_file()
-            and lock.stale_reason(holder, path, lock.me()) is None):
-        raise lock.RunLocked(lock.busy_message(path, holder))
+    holder = None if SweepDir(run_dir).jobs_path.is_file() else live_holder(path, me())
+    if holder is not None:
+        raise RunLocked(busy_message(path, holder))
     train, cwd = train_command(run_dir)
     command = [*train, *saved_overrides(run_dir), *extra, f"hydra.run.dir={run_dir}"]
     # The command goes to stdout, like rerun's: it is what this command produces.

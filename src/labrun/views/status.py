@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labrun.config.objective import DEFAULT_MODE, maximizes
 from labrun.core import scheduler
 from labrun.core.errors import LabrunError
 from labrun.core.scheduler import LIVE_STATES
-from labrun.runs import lock as run_lock
-from labrun.runs.rundir import RunDir
+from labrun.runs.lock_holder import live_holder
+from labrun.runs.rundir import Objective, RunDir
 from labrun.runs.sweepdir import (
     ENDED,
     FINISHED,
@@ -62,7 +63,7 @@ class Status:
         for job in self.jobs:
             summary = job.run_dir.read_summary()
             jobs.append({"num": job.num, "overrides": job.overrides, "run_dir": job.dir,
-                         "state": job.state, "monitor": summary.get("monitor", "val/acc"),
+                         "state": job.state, "monitor": Objective.of(summary).monitor,
                          "metric": job.metric, "error": job.error, "job_id": job.job_id,
                          **self.efficiency[job.num].as_dict()})
         disk = SweepDir(self.path).disk_use() if self.kind == "sweep" else None
@@ -98,12 +99,12 @@ def sweep_jobs(sweep_dir: Path) -> tuple[list[Job], str]:
         if has_ended(job, summary):  # pruned included: an Optuna search stopped it
             read_result(job)
         elif state == "running" or (state not in NOT_ENDED
-                                    and run_lock.live_holder(job.run_dir.lock_path)):
+                                    and live_holder(job.run_dir.lock_path)):
             # The scheduler says so, or a live process holds its run folder (a local job whose
             # controller is gone; a cluster whose controller does not answer now): never
             # "failed" while it trains.
             job.state = "running"
-            job.metric = summary.get(f"best/{summary.get('monitor', 'val/acc')}")
+            job.metric = Objective.of(summary).best
         elif state:
             job.state = state  # pending, requeued, or ended without a result (failed, timeout)
             if state not in NOT_ENDED:  # what it printed before it stopped, Python's or not
@@ -115,7 +116,7 @@ def sweep_jobs(sweep_dir: Path) -> tuple[list[Job], str]:
     return jobs, manifest["backend"]
 
 
-def run_job(run_dir: RunDir) -> Job:
+def run_folder_as_job(run_dir: RunDir) -> Job:
     """A run folder as a sweep's job would show: its state and metric from its summary."""
     job = Job(num=0, overrides=run_dir.try_overrides() or [], dir=str(run_dir.path))
     summary = run_dir.read_summary()
@@ -123,7 +124,7 @@ def run_job(run_dir: RunDir) -> Job:
         read_result(job)
     else:  # running, or started without a summary yet (it may have stopped at a config error)
         job.state = summary.get("status") or "no summary"
-        job.metric = summary.get(f"best/{summary.get('monitor', 'val/acc')}")
+        job.metric = Objective.of(summary).best
     if summary.get("requeued"):
         job.state = f"{job.state} (requeued {summary['requeued']}x)"
     return job
@@ -137,7 +138,7 @@ def collect(path: Path) -> Status:
         # A run sent to a cluster without -m: its folder records its one job, itself.
         kind = "run" if [Path(job.dir) for job in jobs] == [path] else "sweep"
     elif RunDir(path).is_run():
-        jobs, backend, kind = [run_job(RunDir(path))], None, "run"
+        jobs, backend, kind = [run_folder_as_job(RunDir(path))], None, "run"
     elif not path.exists():
         raise LabrunError(f"{path} does not exist; give a sweep folder "
                           f"(multirun/DATE/TIME-XXXX) or a run folder")
@@ -249,8 +250,8 @@ def needing_a_look(jobs: list[Job]) -> list[Job]:
     running = [job for job in jobs if job.state.split(" (")[0] == "running"]
     done = [job for job in jobs if job.state in FINISHED and job.metric is not None]
     # The monitor's direction, as the runs' summaries record it (one for the whole sweep).
-    mode = done[0].run_dir.read_summary().get("mode", "max") if done else "max"
-    best = sorted(done, key=lambda job: job.metric, reverse=mode == "max")
+    mode = done[0].run_dir.read_objective().mode if done else DEFAULT_MODE
+    best = sorted(done, key=lambda job: job.metric, reverse=maximizes(mode))
     shown = {job.num: job for job in [*ended_badly[:LOOK_ROWS], *running[:LOOK_ROWS],
                                       *best[:LOOK_ROWS]]}
     return [shown[num] for num in sorted(shown)]

@@ -38,6 +38,9 @@ PROBE_PORT = 6817
 JOB_FIELDS = ["JobID", "UserName", "Account", "QOS", "State", "tres-alloc", "Reason", "SubmitTime",
               "PriorityLong", "Comment", "Name", "Partition", "ArrayTaskID"]
 DOWN_STATES = "down,drain,draining,fail,no_respond"
+# The longest job_alive waits for the controller: a run lock's holder is judged by it, and
+# judging a lock waits no longer.
+JOB_ALIVE_TIMEOUT_S = 15
 # Every SLURM command labrun runs (here, and submitit's sbatch), for tools that count them
 # (`labrun bench sweep`'s shims).
 COMMANDS = ("squeue", "sacct", "scontrol", "sinfo", "sacctmgr", "sshare", "sbatch", "scancel",
@@ -160,12 +163,13 @@ class SlurmScheduler:
         all; the controller is not asked (it may be down)."""
         probes.require_slurm_client("squeue")
 
-    def _rows(self, *args: str) -> list[list[str]]:
-        return probes.slurm_rows(*args, timeout=self.timeout)
+    def _rows(self, *args: str, timeout: float | None = None) -> list[list[str]]:
+        return probes.slurm_rows(*args, timeout=self.timeout if timeout is None else timeout)
 
     def job_alive(self, job_id: str) -> bool | None:
         try:
-            state = self._queue_states([job_id]).get(job_id)
+            state = self._queue_states([job_id], min(self.timeout, JOB_ALIVE_TIMEOUT_S)
+                                       ).get(job_id)
         except probes.SlurmError:
             return None
         # Not listed: ended long enough ago that the controller forgot it.
@@ -206,13 +210,13 @@ class SlurmScheduler:
             raise
         return (rows[0][0], rows[0][1], rows[0][2]) if rows and len(rows[0]) >= 3 else None
 
-    def _queue_states(self, ids: list[str]) -> dict[str, str]:
+    def _queue_states(self, ids: list[str], timeout: float | None = None) -> dict[str, str]:
         """squeue's state of each job it lists, under both of its ids: ARRAYJOB_TASK (%i) and
         the element's own job id (%A, its SLURM_JOB_ID). -r: one row per array element, even
         for those still pending; -t all: jobs that ended a moment ago too."""
         try:
             rows = self._rows("squeue", "-h", "-r", "-t", "all", "-j", ",".join(ids),
-                              "-o", "%i|%A|%T")
+                              "-o", "%i|%A|%T", timeout=timeout)
         except probes.SlurmError as error:
             if error.kind == "failed" and "invalid job id" in str(error).lower():
                 return {}  # none of them is known to the controller any more

@@ -37,10 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from labrun.config.fields import field_facts
+from labrun.config.schema import ImageDatasetConfig
 from labrun.core.errors import ConfigError, DataError, one_line
 from labrun.data.image.decode import encode_jpeg, jpeg_size
 
-DECODES = ("workers", "cpu", "cuda")
+DECODES = field_facts(ImageDatasetConfig, "decode").choices  # dataset.decode's, declared there
 
 log = logging.getLogger(__name__)
 
