@@ -225,6 +225,7 @@ MASK_REFUSALS = {
     "a mask of another size": ("wrong_size", "its mask is 20x10 (width x height), the image 40x30"),
     "a value that is no class": ("bad_value", "its mask holds value 7, but there are 4 classes"),
     "no classes.txt nor num_classes": ("no_classes", "has no classes.txt; set dataset.num_classes"),
+    "a mask in colours": ("rgb", "has 3 channels; a mask holds one class index per pixel"),
 }
 
 
@@ -236,6 +237,8 @@ def spoil(root: Path, how: str) -> Path:
         Image.fromarray(np.zeros((10, 20), np.uint8), mode="L").save(masks / "002.png")
     elif how == "bad_value":
         Image.fromarray(np.full((30, 40), 7, np.uint8), mode="L").save(masks / "002.png")
+    elif how == "rgb":
+        Image.fromarray(np.zeros((30, 40, 3), np.uint8)).save(masks / "002.png")
     elif how == "no_classes":
         (root / "classes.txt").unlink()
     return root / "train" / "images" / "002.jpg"
@@ -250,7 +253,9 @@ def test_a_bad_pair_is_one_line_naming_the_file_before_training(refusal, compose
         build_data(composed, root)
     message = str(caught.value)
     assert "\n" not in message and expected in message, message
-    if how != "no_classes":
+    if how == "rgb":
+        assert str(named.parent.parent / "masks" / "002.png") in message, message
+    elif how != "no_classes":
         assert str(named) in message, message
 
 

@@ -13,10 +13,10 @@ Flat arrays plus offsets, as the image classification file (data/image/hdf5.py):
 contiguous array reads in microseconds. Images are kept as their files' bytes, so a JPEG's
 training crop decodes only its region (decode.open_image -> JpegImage), as from the folder.
 Masks are kept as their PNG files, for size: a 1024x768 mask of a few regions is ~10 KB as a
-PNG against 786 KB raw, so a file of raw masks would be mostly masks. The price is Pillow's
+PNG against 786 KB raw, so a file of raw masks would be mostly masks. The price is libpng's
 decode, ~1.6 ms a mask (measured beside ~1.8 ms for the image's crop), where a raw mask's crop
-rows read in ~0.1 ms. The same bytes through segfolder.read_mask (palette PNGs, its checks) give
-exactly the folder's masks. Nothing of a run's settings is stored (ignore_index, sizes): one
+rows read in ~0.1 ms. The same bytes through segfolder.decode_mask (palette PNGs, its checks)
+give exactly the folder's masks. Nothing of a run's settings is stored (ignore_index, sizes): one
 file serves any.
 
 Every pair is decoded once while converting, in parallel, so a corrupt file or a mask of
@@ -33,7 +33,6 @@ and mask apart (read, mask: for dataset.decode=cpu|cuda), as segfolder's does.
 from __future__ import annotations
 
 import functools
-import io
 import os
 import time
 from dataclasses import dataclass, field
@@ -262,18 +261,6 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class _Named(io.BytesIO):
-    """A mask's PNG bytes that segfolder.read_mask's errors name by the sample they belong to
-    (they name their `path`)."""
-
-    def __init__(self, data: np.ndarray, label: str):
-        super().__init__(data.tobytes())
-        self.label = label
-
-    def __str__(self) -> str:
-        return self.label
-
-
 class SegHDF5Source:
     """One split of a seg_hdf5 file; the file is opened lazily, once per process."""
 
@@ -317,7 +304,7 @@ class SegHDF5Source:
         """uint8 HxW: mask `index`, decoded from its PNG."""
         self._open_here()
         stored = self._masks[self.mask_offsets[index]:self.mask_offsets[index + 1]]
-        return segfolder.read_mask(_Named(stored, f"{self.describe(index)}'s mask"))
+        return segfolder.decode_mask(stored, f"{self.describe(index)}'s mask")
 
     def open(self, index: int) -> tuple[np.ndarray | JpegImage, np.ndarray]:
         try:
