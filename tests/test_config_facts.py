@@ -10,7 +10,7 @@ import os
 import pytest
 from omegaconf import MISSING, OmegaConf
 
-from labrun.config import facts, schema, validation
+from labrun.config import dataset_schema, facts, schema, validation
 from labrun.config.fields import key
 from labrun.core.errors import ConfigError
 
@@ -51,7 +51,7 @@ def test_a_new_field_states_its_facts_once(monkeypatch, fresh_facts, composed, t
     absolute for SLURM jobs without touching any list elsewhere."""
 
     @dataclasses.dataclass
-    class ShardedConfig(schema.ImageDatasetConfig):
+    class ShardedConfig(dataset_schema.ImageDatasetConfig):
         shard_dir: str = key(MISSING, must_exist=True, resume_safe=True)
 
     monkeypatch.setitem(schema.SCHEMAS, "dataset/sharded", ShardedConfig)

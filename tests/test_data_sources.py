@@ -18,7 +18,7 @@ from test_data_convert import write_image_folder
 
 from conftest import read_summary, run_train
 from labrun import data
-from labrun.config.schema import HDF5Config, ImageFolderConfig
+from labrun.config.dataset_schema import HDF5Config, ImageFolderConfig
 from labrun.core.errors import DataError
 from labrun.data.image import ImageData, ImageDataset, convert, hdf5
 

@@ -222,7 +222,7 @@ def labrun_data(dataset: dict, args: argparse.Namespace):
     from omegaconf import OmegaConf
 
     from labrun import data
-    from labrun.config.schema import HDF5Config, ImageFolderConfig
+    from labrun.config.dataset_schema import HDF5Config, ImageFolderConfig
     from labrun.data.image.sources import SubsetSource
 
     schema = HDF5Config if dataset["name"] == "hdf5" else ImageFolderConfig

@@ -155,7 +155,7 @@ def labrun_seg_data(dataset: dict, args: argparse.Namespace):
     from omegaconf import OmegaConf
 
     from labrun import data
-    from labrun.config.schema import SegFolderConfig, SegHDF5Config
+    from labrun.config.dataset_schema import SegFolderConfig, SegHDF5Config
     from labrun.data.segmentation import Subset
 
     schema, target = {

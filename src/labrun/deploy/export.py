@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 
 import labrun
 from labrun import models
-from labrun.config.schema import ImageDatasetConfig
+from labrun.config.dataset_schema import ImageDatasetConfig
 from labrun.core.errors import LabrunError, one_line
 from labrun.core.files import atomic_path, write_json_atomic
 from labrun.data.image.transforms import ValTransform, normalize_on_device

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from PIL import Image
 
-from labrun.config.schema import SegmentationDatasetConfig
+from labrun.config.dataset_schema import SegmentationDatasetConfig
 from labrun.core.errors import LabrunError, one_line
 from labrun.data.image import decode as data_decode
 from labrun.data.image.transforms import as_rgb, normalize_on_device, resize_region

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from labrun.config.dataset_schema import ImageDatasetConfig
 from labrun.config.fields import field_facts
-from labrun.config.schema import ImageDatasetConfig
 from labrun.core.errors import ConfigError, DataError, one_line
 from labrun.data.image.decode import encode_jpeg, jpeg_size
 

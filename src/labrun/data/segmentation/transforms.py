@@ -18,8 +18,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from labrun.data.image.transforms import Box, Image, apply_box, as_rgb, resize_region
-from labrun.data.image.transforms import TrainTransform as ImageTrain
+from labrun.data.image.transforms import (
+    Box,
+    Image,
+    TrainTransform,
+    apply_box,
+    as_rgb,
+    resize_region,
+)
 
 
 def mask_box(mask: np.ndarray, box: Box, height: int, width: int) -> torch.Tensor:
@@ -33,19 +39,10 @@ def mask_box(mask: np.ndarray, box: Box, height: int, width: int) -> torch.Tenso
     return region.flip(1) if box.flip else region
 
 
-@dataclass
-class JointTrain:
-    """RandomResizedCrop of image and mask to size x size, then a random horizontal flip."""
-
-    size: int
-    scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: bool = True
-
-    def box(self, height: int, width: int, rng: np.random.Generator) -> Box:
-        """The crop and flip: the image transform's own draws, so that dataset.decode=cpu|cuda
-        (data/image/batched.py) crops exactly as the workers do."""
-        return ImageTrain(self.size, self.scale, self.ratio, self.hflip).box(height, width, rng)
+class JointTrain(TrainTransform):
+    """RandomResizedCrop of image and mask to size x size, then a random horizontal flip: the
+    image transform's own fields and box(), the draws dataset.decode=cpu|cuda
+    (data/image/batched.py) repeats, applied to the mask too."""
 
     def __call__(self, image: Image, mask: np.ndarray, rng: np.random.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor]:
