@@ -3,7 +3,8 @@
 # `make test` after `make train` installs only what it still lacks.
 VENV   := .venv
 PY     := $(VENV)/bin/python
-INSTALLED := pyproject.toml constraints.txt setup.py src/labrun/data/image/_jpeg_region.c scripts/setup.sh
+INSTALLED := pyproject.toml constraints.txt setup.py src/labrun/data/image/_jpeg_region.c \
+             src/labrun/data/segmentation/_png_rows.c scripts/setup.sh
 TRAIN_STAMP := $(VENV)/.installed-train
 TEST_STAMP  := $(VENV)/.installed-test
 

@@ -1,11 +1,16 @@
-"""The one compiled part of labrun: JPEG region decoding (src/labrun/data/image/_jpeg_region.c).
+"""The compiled parts of labrun: JPEG region decoding (src/labrun/data/image/_jpeg_region.c) and
+the top rows of a mask PNG (src/labrun/data/segmentation/_png_rows.c).
 
-Everything else is in pyproject.toml. The extension is optional: without a C compiler or
-libjpeg-turbo's headers (Debian: libjpeg62-turbo-dev) the install still succeeds, and labrun
-decodes whole JPEGs and crops them instead, which gives the same pixels more slowly.
+Everything else is in pyproject.toml. Both extensions are optional: without a C compiler or the
+libraries' headers (Debian: libjpeg62-turbo-dev, libpng-dev) the install still succeeds, and
+labrun decodes whole JPEGs and masks instead, which gives the same pixels more slowly.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("labrun.data.image._jpeg_region", ["src/labrun/data/image/_jpeg_region.c"],
-                             libraries=["jpeg"], optional=True)])
+setup(ext_modules=[
+    Extension("labrun.data.image._jpeg_region", ["src/labrun/data/image/_jpeg_region.c"],
+              libraries=["jpeg"], optional=True),
+    Extension("labrun.data.segmentation._png_rows", ["src/labrun/data/segmentation/_png_rows.c"],
+              libraries=["png"], optional=True),
+])

@@ -14,6 +14,7 @@ case "$MODE" in train|test) ;; *) echo "usage: scripts/setup.sh train|test" >&2;
 missing=()
 ldconfig -p | grep -q libturbojpeg || missing+=(libturbojpeg0)
 [ -e /usr/include/jpeglib.h ] || missing+=(libjpeg62-turbo-dev)
+[ -e /usr/include/png.h ] || missing+=(libpng-dev)
 command -v cc >/dev/null || missing+=(gcc libc6-dev)
 # trainer.compile=true on the CPU: torch.compile's inductor writes and compiles C++.
 command -v g++ >/dev/null || missing+=(g++)

@@ -18,7 +18,7 @@ from labrun.doctor import gpu
 from labrun.train import distributed
 
 EXPECTED = {"python", "torch", "torchvision", "cuda", "bf16", "nccl", "turbojpeg", "jpeg regions",
-            "h5py", "wandb", "slurm", "slurm partition", "disk outputs", "disk data", "requirements"}
+            "mask rows", "h5py", "wandb", "slurm", "slurm partition", "disk outputs", "disk data", "requirements"}
 SECRET = "wandb-key-that-must-never-be-printed-0123456789"
 
 
@@ -45,7 +45,8 @@ def test_doctor_json_has_every_check_and_never_prints_the_key():
     assert by_name["slurm partition"]["status"] == "failed"
     assert result.returncode == 1
 
-    for name in ("python", "torch", "torchvision", "jpeg regions", "h5py", "requirements"):
+    for name in ("python", "torch", "torchvision", "jpeg regions", "mask rows", "h5py",
+                 "requirements"):
         assert by_name[name]["status"] == "ok", by_name[name]
     if not torch.cuda.is_available():  # this CPU machine: warnings, never failures
         for name in ("cuda", "gpu", "bf16", "nccl"):

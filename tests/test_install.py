@@ -11,6 +11,7 @@ import sys
 import zipfile
 from importlib.metadata import version
 
+import pytest
 import tomllib
 from packaging.requirements import Requirement
 
@@ -41,8 +42,8 @@ def test_torch_is_a_range_and_setup_installs_the_tested_pins():
 
 
 def test_installs_without_a_c_compiler(tmp_path):
-    """The region decoder is optional: a build whose compiler is missing still makes a wheel
-    (without the extension)."""
+    """The compiled decoders are optional: a build whose compiler is missing still makes a
+    wheel (without them)."""
     project = tmp_path / "project"
     project.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md"):
@@ -58,16 +59,20 @@ def test_installs_without_a_c_compiler(tmp_path):
     (wheel,) = (tmp_path / "wheels").glob("labrun-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "labrun/train/trainer.py" in names
-    assert not [n for n in names if "_jpeg_region" in n and n.endswith(".so")]
+    assert not [n for n in names if n.endswith(".so")]  # neither _jpeg_region nor _png_rows
 
 
-def test_doctor_names_the_missing_region_decoder():
+@pytest.mark.parametrize("module, check, package", [
+    ("labrun.data.image._jpeg_region", "check_jpeg_regions", "libjpeg62-turbo-dev"),
+    ("labrun.data.segmentation._png_rows", "check_mask_rows", "libpng-dev"),
+])
+def test_doctor_names_a_missing_compiled_decoder(module, check, package):
     # The compiled module made unimportable, as on a machine that built without a compiler.
-    code = ("import sys; sys.modules['labrun.data.image._jpeg_region'] = None\n"
-            "from labrun.doctor.libraries import check_jpeg_regions\n"
-            "c = check_jpeg_regions(); print(c.status, '|', c.detail, '|', c.fix)")
+    code = (f"import sys; sys.modules[{module!r}] = None\n"
+            f"from labrun.doctor.libraries import {check}\n"
+            f"c = {check}(); print(c.status, '|', c.detail, '|', c.fix)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     status, detail, fix = (part.strip() for part in out.split("|"))
     assert status != "ok" and "not compiled" in detail
-    assert "libjpeg62-turbo-dev" in fix and "pip install" in fix
+    assert package in fix and "pip install" in fix

@@ -27,6 +27,7 @@ from labrun.doctor.gpu import (
 from labrun.doctor.libraries import (
     check_h5py,
     check_jpeg_regions,
+    check_mask_rows,
     check_python,
     check_requirements,
     check_torch,
@@ -52,6 +53,7 @@ def run_checks(partition: str | None = None) -> list[Check]:
         ("nccl", check_nccl),
         ("turbojpeg", check_turbojpeg),
         ("jpeg regions", check_jpeg_regions),
+        ("mask rows", check_mask_rows),
         ("h5py", check_h5py),
         ("wandb", check_wandb),
         ("slurm", None),  # started first, in the background: see below

@@ -89,6 +89,30 @@ def check_jpeg_regions() -> Check:
     return Check("jpeg regions", OK, "compiled; a decoded region equals the full decode")
 
 
+def check_mask_rows() -> Check:
+    """The compiled decoder of a mask's top rows (labrun/data/segmentation/_png_rows.c)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from labrun.data.segmentation import masks
+
+    if masks._decode_rows is None:
+        return Check("mask rows", WARNING, "labrun's mask row decoder is not compiled: "
+                     "segmentation decodes whole masks with Pillow (slower)",
+                     "apt install libpng-dev gcc, then pip install -e . again")
+    mask = (np.arange(40 * 30).reshape(40, 30) % 7).astype(np.uint8)
+    data = io.BytesIO()
+    Image.fromarray(mask, "L").save(data, format="PNG")
+    opened = masks.open_mask(data.getvalue(), "check.png")
+    if not (isinstance(opened, masks.PngMask)
+            and np.array_equal(opened.crop(5, 3, 20, 10), mask[5:25, 3:13])):
+        return Check("mask rows", FAILED, "a decoded crop differs from the mask",
+                     "pip install -e . again, against this machine's libpng")
+    return Check("mask rows", OK, "compiled; a decoded crop equals the mask")
+
+
 def check_h5py() -> Check:
     try:
         import h5py

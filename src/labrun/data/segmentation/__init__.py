@@ -12,13 +12,16 @@ A format's loader returns {split: source}, each source with `dense = True` (what
 an image classification format's), and:
     name, class_names, __len__(), describe(i)   as an ImageSource's (data/image/sources.py)
     open(i) -> (image, mask)   uint8 HxWx3 pixels or a JpegImage; uint8 HxW class indices
+                               or a PngMask (masks.py: a mask decoded when it is cropped)
     holds_jpeg, read(i), mask(i)   optional: the image file's bytes and the mask apart, for
                                    dataset.decode=cpu|cuda
 
 Images and masks are transformed together (transforms.py), with each sample's randomness from
 (seed, epoch, index), as for classification. A mask that does not fit its image, or holds a
 value that is neither a class nor ignore_index, is refused naming the file: a sample of pairs
-when the data is built, before training, and every item as it is read.
+(whole masks) when the data is built, before training, and every item as it is read (its size
+from the headers, its values on the pixels it gives: a training crop decodes no mask row below
+it).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch.utils.data import Dataset
 from labrun.core.errors import ConfigError, DataError
 from labrun.data.image import batched, images_loader
 from labrun.data.image.transforms import Box
+from labrun.data.segmentation.masks import mask_pixels
 from labrun.data.segmentation.transforms import JointEval, JointTrain, PadCollate, mask_box
 
 CHECKED_AT_START = 16  # pairs read when the data is built, spread over each split
@@ -44,15 +48,19 @@ def holds_masks(splits: dict[str, Any]) -> bool:
     return all(getattr(source, "dense", False) for source in splits.values())
 
 
-def check_pair(size: tuple[int, int], mask: np.ndarray, num_classes: int, ignore_index: int
-               ) -> str | None:
-    """Why an image of `size` (height, width) and this mask cannot train, or None."""
-    if tuple(size) != mask.shape[:2]:
-        return (f"its mask is {mask.shape[1]}x{mask.shape[0]} (width x height), the image "
-                f"{size[1]}x{size[0]}; masks must match their image's size")
-    wrong = (mask >= num_classes) & (mask != ignore_index)
+def size_problem(image_size: tuple[int, int], mask_size: tuple[int, int]) -> str | None:
+    """Why an image of `image_size` (height, width) cannot take a mask of `mask_size`, or None."""
+    if tuple(image_size) != tuple(mask_size):
+        return (f"its mask is {mask_size[1]}x{mask_size[0]} (width x height), the image "
+                f"{image_size[1]}x{image_size[0]}; masks must match their image's size")
+    return None
+
+
+def value_problem(values: np.ndarray, num_classes: int, ignore_index: int) -> str | None:
+    """Why these mask pixels cannot train, or None."""
+    wrong = (values >= num_classes) & (values != ignore_index)
     if wrong.any():
-        return (f"its mask holds value {int(mask[wrong].max())}, but there are {num_classes} "
+        return (f"its mask holds value {int(values[wrong].max())}, but there are {num_classes} "
                 f"classes (0..{num_classes - 1}) and dataset.ignore_index={ignore_index}")
     return None
 
@@ -132,13 +140,24 @@ class SegData:
                 raise DataError(f"{source.name}: the {split} split is empty; add images to it")
             for index in np.linspace(0, len(source) - 1, CHECKED_AT_START).astype(int):
                 image, mask = source.open(int(index))
-                data.check(source, int(index), image.shape[:2], mask)
+                data.check_size(source, int(index), image.shape[:2], mask.shape)
+                data.check_values(source, int(index), mask_pixels(mask))
         if decode != "workers":
             batched.check(decode, splits)
         return data
 
-    def check(self, source: Any, index: int, size: tuple[int, int], mask: np.ndarray) -> None:
-        problem = check_pair(size, mask, len(self.class_names), self.cfg.ignore_index)
+    def check_size(self, source: Any, index: int, image_size: tuple[int, int],
+                   mask_size: tuple[int, int]) -> None:
+        self.refuse(source, index, size_problem(image_size, mask_size))
+
+    def check_values(self, source: Any, index: int, values: np.ndarray | torch.Tensor) -> None:
+        if isinstance(values, torch.Tensor):
+            values = values.numpy()
+        self.refuse(source, index,
+                    value_problem(values, len(self.class_names), self.cfg.ignore_index))
+
+    @staticmethod
+    def refuse(source: Any, index: int, problem: str | None) -> None:
         if problem:
             raise DataError(f"{source.describe(index)}: {problem}")
 
@@ -188,8 +207,10 @@ class SegDataset(Dataset):
             raise
         except Exception as error:
             raise self.error(index, error) from error
-        self.data.check(self.source, index, image.shape[:2], mask)
-        return self.transform(image, mask, rng)
+        self.data.check_size(self.source, index, image.shape[:2], mask.shape)
+        image, mask = self.transform(image, mask, rng)
+        self.data.check_values(self.source, index, mask)
+        return image, mask
 
     def target(self, index: int, size: tuple[int, int], box: Box) -> torch.Tensor:
         """The mask of sample `index`, whose image is `size`, through `box`: for the batched
@@ -200,9 +221,11 @@ class SegDataset(Dataset):
             raise
         except Exception as error:
             raise self.error(index, error) from error
-        self.data.check(self.source, index, size, mask)
+        self.data.check_size(self.source, index, size, mask.shape)
         out = self.transform.size
-        return mask_box(mask, box, out, out)
+        mask = mask_box(mask, box, out, out)
+        self.data.check_values(self.source, index, mask)
+        return mask
 
     def error(self, index: int, error: BaseException | str) -> DataError:
         return DataError(f"{self.split} sample {index} ({self.source.describe(index)}) could "

@@ -14,8 +14,8 @@ contiguous array reads in microseconds. Images are kept as their files' bytes, s
 training crop decodes only its region (decode.open_image -> JpegImage), as from the folder.
 Masks are kept as their PNG files, for size: a 1024x768 mask of a few regions is ~10 KB as a
 PNG against 786 KB raw, so a file of raw masks would be mostly masks. The price is libpng's
-decode, ~1.6 ms a mask (measured beside ~1.8 ms for the image's crop), where a raw mask's crop
-rows read in ~0.1 ms. The same bytes through segfolder.decode_mask (palette PNGs, its checks)
+decode of the rows down to the crop's bottom, ~1.2 ms for a whole mask (beside ~1.8 ms for the
+image's crop), where a raw mask's crop rows read in ~0.1 ms. The same bytes through masks.py
 give exactly the folder's masks. Nothing of a run's settings is stored (ignore_index, sizes): one
 file serves any.
 
@@ -50,6 +50,7 @@ from labrun.data.image.decode import JpegImage, decode, open_image, resolve
 from labrun.data.image.hdf5 import open_file
 from labrun.data.image.imagefolder import JPEG_SUFFIXES
 from labrun.data.segmentation import segfolder
+from labrun.data.segmentation.masks import PngMask, open_mask, read_mask
 
 FORMAT = 1
 KIND = "segmentation"  # tells this file from a classification one (data/image/hdf5.py)
@@ -129,7 +130,7 @@ def check_pair(pair: tuple[Path, Path], decoder: str) -> str | None:
         return (f"{image_path} is not a readable image ({one_line(error)}); replace it, or "
                 f"remove it and its mask")
     try:
-        mask = segfolder.read_mask(mask_path)
+        mask = read_mask(mask_path)
     except DataError as error:
         return str(error)
     except Exception as error:
@@ -300,13 +301,13 @@ class SegHDF5Source:
         self._open_here()
         return self._images[self.image_offsets[index]:self.image_offsets[index + 1]]
 
-    def mask(self, index: int) -> np.ndarray:
-        """uint8 HxW: mask `index`, decoded from its PNG."""
+    def mask(self, index: int) -> np.ndarray | PngMask:
+        """Mask `index`'s PNG, as stored (masks.open_mask)."""
         self._open_here()
         stored = self._masks[self.mask_offsets[index]:self.mask_offsets[index + 1]]
-        return segfolder.decode_mask(stored, f"{self.describe(index)}'s mask")
+        return open_mask(stored, f"{self.describe(index)}'s mask")
 
-    def open(self, index: int) -> tuple[np.ndarray | JpegImage, np.ndarray]:
+    def open(self, index: int) -> tuple[np.ndarray | JpegImage, np.ndarray | PngMask]:
         try:
             image = open_image(self.read(index), self.decoder)
         except Exception as error:

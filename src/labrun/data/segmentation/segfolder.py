@@ -6,23 +6,23 @@ a palette PNG's indices, as Pascal VOC stores them), `ignore_index` (VOC's 255) 
 pixels. Class names are ROOT/classes.txt's lines, or 0..dataset.num_classes-1 without it.
 
 A stem without its mask is refused when the folder is scanned; a mask of another size than its
-image, or holding a value that is no class, when a sample of pairs is checked at start (labrun.
-data.segmentation.check_sample) and on every item as it is read, naming the file.
+image, or holding a value that is no class, when a sample of pairs is checked at start and on
+every item as it is read (labrun.data.segmentation), naming the file. Masks are read by
+masks.py.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from labrun.core.errors import DataError, one_line
+from labrun.core.errors import DataError
 from labrun.data.image.decode import IMAGE_SUFFIXES, JpegImage, open_image, resolve
 from labrun.data.image.imagefolder import JPEG_SUFFIXES
+from labrun.data.segmentation.masks import PngMask, open_mask
 
 SPLITS = ("train", "val", "test")
 
@@ -83,42 +83,6 @@ def _files(folder: Path) -> list[Path]:
     return [Path(e.path) for e in os.scandir(folder) if e.is_file() and not e.name.startswith(".")]
 
 
-def read_mask(path: Path) -> np.ndarray:
-    """uint8 HxW class indices of a mask PNG; DataError naming the file for one that is not."""
-    return decode_mask(path.read_bytes(), str(path))
-
-
-def decode_mask(data: bytes | np.ndarray, name: str) -> np.ndarray:
-    """uint8 HxW class indices of a mask PNG's bytes (a palette PNG's indices, not its colours);
-    DataError naming `name` for a mask that holds colours, or values beyond a byte.
-
-    torchvision's decode_png (libpng) and not Pillow: it decodes a 1024x768 mask in 1.6 ms
-    where Pillow took 2.2 ms to an array (measured here), and a mask is decoded for every
-    sample. torchvision 0.29 marks its image codecs deprecated in favour of TorchCodec, which
-    is not installed; the pinned torchvision has them (data/image/batched.py uses its
-    decode_jpeg too), so the warning, once per sample, is silenced here."""
-    from torchvision.io import ImageReadMode, decode_png
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            decoded = decode_png(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                 ImageReadMode.UNCHANGED)
-    except RuntimeError as error:
-        raise DataError(f"{name} is not a readable PNG ({one_line(error)}); masks are PNG "
-                        f"files of class indices") from None
-    if decoded.shape[0] != 1:
-        raise DataError(f"{name} has {decoded.shape[0]} channels; a mask holds one class index "
-                        f"per pixel (a grey or palette PNG)")
-    values = decoded[0].numpy()
-    if values.dtype != np.uint8:  # a 16-bit PNG
-        if values.max(initial=0) > 255:
-            raise DataError(f"{name} holds value {int(values.max())}; masks hold class "
-                            f"indices up to 255")
-        values = values.astype(np.uint8)
-    return values
-
-
 class SegFolderSource:
     """One split of a segmentation folder, read on demand."""
 
@@ -141,10 +105,11 @@ class SegFolderSource:
     def read(self, index: int) -> bytes:
         return Path(os.fsdecode(self.images[index])).read_bytes()
 
-    def mask(self, index: int) -> np.ndarray:
-        return read_mask(Path(os.fsdecode(self.masks[index])))
+    def mask(self, index: int) -> np.ndarray | PngMask:
+        path = os.fsdecode(self.masks[index])
+        return open_mask(Path(path).read_bytes(), path)
 
-    def open(self, index: int) -> tuple[np.ndarray | JpegImage, np.ndarray]:
+    def open(self, index: int) -> tuple[np.ndarray | JpegImage, np.ndarray | PngMask]:
         return open_image(self.read(index), self.decoder), self.mask(index)
 
     def describe(self, index: int) -> str:

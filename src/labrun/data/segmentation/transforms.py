@@ -26,13 +26,17 @@ from labrun.data.image.transforms import (
     as_rgb,
     resize_region,
 )
+from labrun.data.segmentation.masks import PngMask
 
 
-def mask_box(mask: np.ndarray, box: Box, height: int, width: int) -> torch.Tensor:
+def mask_box(mask: np.ndarray | PngMask, box: Box, height: int, width: int) -> torch.Tensor:
     """uint8 HxW: the box's region of `mask` resized to height x width by nearest-exact,
-    mirrored if box.flip."""
-    region = torch.from_numpy(np.ascontiguousarray(
-        mask[box.top:box.top + box.height, box.left:box.left + box.width]))
+    mirrored if box.flip. A PngMask decodes no row below the box."""
+    if isinstance(mask, PngMask):
+        region = mask.crop(box.top, box.left, box.height, box.width)
+    else:
+        region = mask[box.top:box.top + box.height, box.left:box.left + box.width]
+    region = torch.from_numpy(np.ascontiguousarray(region))
     if region.shape != (height, width):
         region = F.interpolate(region[None, None], size=(height, width),
                                mode="nearest-exact")[0, 0]
@@ -44,7 +48,7 @@ class JointTrain(TrainTransform):
     image transform's own fields and box(), the draws dataset.decode=cpu|cuda
     (data/image/batched.py) repeats, applied to the mask too."""
 
-    def __call__(self, image: Image, mask: np.ndarray, rng: np.random.Generator
+    def __call__(self, image: Image, mask: np.ndarray | PngMask, rng: np.random.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         image = as_rgb(image)
         box = self.box(image.shape[0], image.shape[1], rng)
@@ -61,8 +65,8 @@ class JointEval:
     def box(self, height: int, width: int, rng: np.random.Generator | None = None) -> Box:
         return Box(0, 0, height, width, flip=False)
 
-    def __call__(self, image: Image, mask: np.ndarray, rng: np.random.Generator | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, image: Image, mask: np.ndarray | PngMask,
+                 rng: np.random.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         image = as_rgb(image)
         height, width = image.shape[:2]
         out_h, out_w = (self.size, self.size) if self.size else (height, width)
