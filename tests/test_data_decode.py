@@ -151,11 +151,19 @@ def test_damaged_and_non_image_bytes_raise():
         dec.decode(b"\xff\xd8\xff" + b"junk" * 10, "turbojpeg")
 
 
-def test_unknown_decoder_is_a_config_error():
+def test_unknown_decoder_is_a_config_error(composed, tmp_path):
+    from labrun.config.validation import validate
     from labrun.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="dataset.decoder=opencv is not one of"):
         dec.resolve("opencv")
+    # Refused by validation, before any data loads, for every format that takes the key.
+    for dataset in ("imagefolder", "segfolder"):
+        task = ["task=segmentation"] if dataset == "segfolder" else []
+        with pytest.raises(ConfigError, match="^dataset.decoder=opencv is not one of: "
+                                              "turbojpeg, pil, torchvision$"):
+            validate(composed(f"dataset={dataset}", f"dataset.root={tmp_path}", *task,
+                              "dataset.decoder=opencv"))
 
 
 def test_missing_libturbojpeg_warns_once_and_falls_back_to_pil():

@@ -6,12 +6,19 @@ the others (SCHEMAS), and the two read as one table of every key labrun takes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
 from labrun.config.fields import key
 from labrun.config.keys import NewKeys
+
+# Which library decodes JPEG files (data/image/decode.py); every other format goes to Pillow.
+DECODERS = ("turbojpeg", "pil", "torchvision")
+
+
+def decoder_key() -> Any:
+    return key("turbojpeg", choices=DECODERS)
 
 
 @dataclass
@@ -64,13 +71,13 @@ class SyntheticConfig(ImageDatasetConfig):
 @dataclass
 class ImageFolderConfig(ImageDatasetConfig):
     root: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
-    decoder: str = "turbojpeg"  # turbojpeg | pil | torchvision
+    decoder: str = decoder_key()
 
 
 @dataclass
 class HDF5Config(ImageDatasetConfig):
     path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
-    decoder: str = "turbojpeg"
+    decoder: str = decoder_key()
 
 
 @dataclass
@@ -99,14 +106,14 @@ class ShapesConfig(SegmentationDatasetConfig):
 @dataclass
 class SegFolderConfig(SegmentationDatasetConfig):
     root: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
-    decoder: str = "turbojpeg"  # turbojpeg | pil | torchvision
+    decoder: str = decoder_key()
     num_classes: int | None = None  # required without ROOT/classes.txt
 
 
 @dataclass
 class SegHDF5Config(SegmentationDatasetConfig):
     path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
-    decoder: str = "turbojpeg"
+    decoder: str = decoder_key()
 
 
 @dataclass

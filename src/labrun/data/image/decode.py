@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from labrun.config.dataset_schema import DECODERS
 from labrun.core.errors import ConfigError, one_line
 
-DECODERS = ("turbojpeg", "pil", "torchvision")
 FAST_SCALES = ((1, 8), (1, 4), (1, 2))  # smallest first
 JPEG_MAGIC = b"\xff\xd8\xff"
 # File suffixes taken as images, by image folders (data.imagefolder) and `labrun predict` alike:
