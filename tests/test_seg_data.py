@@ -8,7 +8,9 @@ import json
 import os
 import pickle
 import signal
+import struct
 import subprocess
+import zlib
 from pathlib import Path
 
 import h5py
@@ -24,7 +26,7 @@ from labrun.bench.seg_data import SEG_DATA_TARGETS
 from labrun.core.errors import DataError
 from labrun.data.image.decode import JpegImage, decode
 from labrun.data.segmentation import hdf5, segfolder
-from labrun.data.segmentation.masks import mask_pixels
+from labrun.data.segmentation.masks import decode_mask, mask_pixels, read_mask
 from labrun.data.segmentation.shapes import CLASS_NAMES, draw
 
 
@@ -125,7 +127,28 @@ def test_the_layout_is_flat_arrays_and_offsets(converted):
         first = group["images"][offsets[0]:offsets[1]].tobytes()
         assert first == (root / "train" / "images" / "00.jpg").read_bytes()  # kept as the file
         masks = group["mask_offsets"][:]
-        assert group["masks"][masks[1]:masks[2]].tobytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        for i in range(len(masks) - 1):
+            stored = group["masks"][masks[i]:masks[i + 1]].tobytes()
+            # Re-encoded (masks.encode_mask): a palette PNG, its rows unfiltered, same values.
+            assert stored[:8] == b"\x89PNG\r\n\x1a\n" and stored[25] == 3  # IHDR colour type
+            assert set(row_filters(stored)) == {0}
+            assert np.array_equal(decode_mask(stored, "stored"),
+                                  read_mask(root / "train" / "masks" / f"{i:02d}.png"))
+
+
+def row_filters(png: bytes) -> list[int]:
+    """The filter type of each row of an 8-bit, one-byte-a-pixel PNG."""
+    offset, data, width = 8, b"", 0
+    while offset < len(png):
+        (length,) = struct.unpack_from(">I", png, offset)
+        kind, body = png[offset + 4:offset + 8], png[offset + 8:offset + 8 + length]
+        if kind == b"IHDR":
+            (width,) = struct.unpack_from(">I", body)
+        elif kind == b"IDAT":
+            data += body
+        offset += 12 + length
+    rows = zlib.decompress(data)
+    return list(rows[::width + 1])
 
 
 def test_convert_seg_refuses_a_stem_without_a_mask_and_writes_nothing(tmp_path, capsys):

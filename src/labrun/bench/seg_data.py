@@ -37,7 +37,7 @@ from labrun.bench.targets import Target, Verdict, judge
 from labrun.core.errors import LabrunError
 from labrun.data.image.convert import cpu_count
 
-PAIRS_VERSION = 1  # bump when the generated pairs change, so cached ones are made again
+PAIRS_VERSION = 2  # bump when the generated pairs or the converted file change: made again
 CLASS_NAMES = ["background", "person", "car", "tree", "road", "sky"]
 VOID = 255  # the ignore_index of the masks' object outlines, as Pascal VOC marks them
 VAL_PAIRS = 4  # a val split of the folder's own: SegData then splits nothing off train

@@ -4,7 +4,7 @@
     /{split}/images         uint8, flat: every image file's bytes end to end, as the file holds
                             them (a JPEG stays a JPEG)
     /{split}/image_offsets  int64, n + 1: image i is images[image_offsets[i]:image_offsets[i + 1]]
-    /{split}/masks          uint8, flat: every mask's PNG file bytes end to end
+    /{split}/masks          uint8, flat: every mask as a PNG (masks.encode_mask), end to end
     /{split}/mask_offsets   int64, n + 1
     /{split}/names          each image's path in the folder, for errors that name a sample
     root attributes         labrun_format=1, kind=segmentation, classes, source
@@ -12,15 +12,16 @@
 Flat arrays plus offsets, as the image classification file (data/image/hdf5.py): a slice of a
 contiguous array reads in microseconds. Images are kept as their files' bytes, so a JPEG's
 training crop decodes only its region (decode.open_image -> JpegImage), as from the folder.
-Masks are kept as their PNG files, for size: a 1024x768 mask of a few regions is ~10 KB as a
-PNG against 786 KB raw, so a file of raw masks would be mostly masks. The price is libpng's
-decode of the rows down to the crop's bottom, ~1.2 ms for a whole mask (beside ~1.8 ms for the
-image's crop), where a raw mask's crop rows read in ~0.1 ms. The same bytes through masks.py
-give exactly the folder's masks. Nothing of a run's settings is stored (ignore_index, sizes): one
-file serves any.
+Masks are kept as PNGs, for size: a 1024x768 mask of a few regions is ~10 KB as a PNG against
+786 KB raw, so a file of raw masks would be mostly masks. Each is stored re-encoded as a palette
+PNG of the same values (masks.encode_mask), whose unfiltered rows decode in ~0.45 ms where a
+grey PNG's filtered ones took ~1.35 ms (the bench's masks, here); the folder's masks and the
+file's give exactly the same values. Nothing of a run's settings is stored (ignore_index,
+sizes): one file serves any.
 
-Every pair is decoded once while converting, in parallel, so a corrupt file or a mask of
-another size than its image is refused now, naming it, rather than mid-run. The file is written
+Every pair is decoded once while converting, in parallel (where masks are re-encoded), so a
+corrupt file or a mask of another size than its image is refused now, naming it, rather than
+mid-run. The file is written
 under a temporary name and renamed when complete (core.files.atomic_path): an interrupted or
 refused conversion leaves no OUT.h5 that a run could read.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,12 +52,13 @@ from labrun.data.image.decode import JpegImage, decode, open_image, resolve
 from labrun.data.image.hdf5 import open_file
 from labrun.data.image.imagefolder import JPEG_SUFFIXES
 from labrun.data.segmentation import segfolder
-from labrun.data.segmentation.masks import PngMask, open_mask, read_mask
+from labrun.data.segmentation.masks import PngMask, encode_mask, open_mask, read_mask
 
 FORMAT = 1
 KIND = "segmentation"  # tells this file from a classification one (data/image/hdf5.py)
 SPLIT_ORDER = ("train", "val", "test")
 DATASETS = ("images", "image_offsets", "masks", "mask_offsets")
+COPY_BLOCK = 64 << 20  # bytes of masks copied into the file at a time
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +84,7 @@ def convert(src: str, out: str, *, num_classes: int | None = None, workers: int 
     splits = segfolder.scan(src)
     names = class_names(src, num_classes)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    check = partial(check_pair, decoder=resolve("turbojpeg"))
+    prepare = partial(prepare_pair, decoder=resolve("turbojpeg"))
     start = time.perf_counter()
     reports: dict[str, SplitReport] = {}
     with atomic_path(out_path, unique=True) as temporary:
@@ -94,7 +97,7 @@ def convert(src: str, out: str, *, num_classes: int | None = None, workers: int 
             for split, pairs in splits.items():
                 task = progress.add_task(split, total=len(pairs))
                 reports[split] = write_split(file.create_group(split), Path(src), pairs,
-                                             mapper(check, pairs),
+                                             mapper(prepare, pairs),
                                              partial(progress.advance, task))
     seconds = time.perf_counter() - start
     console.print(f"{src} -> {out}: {len(names)} classes ({', '.join(names[:8])}"
@@ -121,43 +124,50 @@ def class_names(src: str, num_classes: int | None) -> list[str]:
     return names
 
 
-def check_pair(pair: tuple[Path, Path], decoder: str) -> str | None:
-    """Why this image and mask cannot be stored, or None (runs in the worker processes)."""
+def prepare_pair(pair: tuple[Path, Path], decoder: str) -> tuple[str | None, bytes]:
+    """(why this image and mask cannot be stored, or None; the mask's PNG to store). Runs in
+    the worker processes."""
     image_path, mask_path = pair
     try:
         image = decode(image_path.read_bytes(), decoder)
     except Exception as error:  # corrupt, truncated or not an image: the same answer
         return (f"{image_path} is not a readable image ({one_line(error)}); replace it, or "
-                f"remove it and its mask")
+                f"remove it and its mask"), b""
     try:
         mask = read_mask(mask_path)
     except DataError as error:
-        return str(error)
-    except Exception as error:
-        return (f"{mask_path} is not a readable PNG ({one_line(error)}); replace it, or "
-                f"remove it and its image")
+        return str(error), b""
     if image.shape[:2] != mask.shape:
         return (f"{mask_path} is {mask.shape[1]}x{mask.shape[0]} (width x height) but its "
                 f"image {image_path.name} is {image.shape[1]}x{image.shape[0]}; masks must "
-                f"match their image's size")
-    return None
+                f"match their image's size"), b""
+    return None, encode_mask(mask)
 
 
-def write_split(group: h5py.Group, root: Path, pairs: list[tuple[Path, Path]], problems,
+def write_split(group: h5py.Group, root: Path, pairs: list[tuple[Path, Path]], prepared,
                 advance) -> SplitReport:
-    """Store one split's pairs in order; `problems` yields check_pair's answer for each."""
-    # The files' sizes give the offsets up front: each dataset is created at its exact size
-    # (contiguous storage, which reads fastest) and every file is written straight into it.
+    """Store one split's pairs in order; `prepared` yields prepare_pair's answer for each."""
+    # The image files' sizes give their offsets up front: the dataset is created at its exact
+    # size (contiguous storage, which reads fastest) and every file is written straight into
+    # it. The masks' sizes are known once they are encoded: they wait in a scratch file beside
+    # the output (a split's masks may not fit in memory) and are copied in at the end.
     image_offsets = _offsets(image for image, _ in pairs)
-    mask_offsets = _offsets(mask for _, mask in pairs)
     images = group.create_dataset("images", shape=(image_offsets[-1],), dtype=np.uint8)
-    masks = group.create_dataset("masks", shape=(mask_offsets[-1],), dtype=np.uint8)
-    for i, ((image, mask), problem) in enumerate(zip(pairs, problems, strict=True)):
-        if problem is not None:
-            raise DataError(problem)
-        _put(images, image_offsets, i, image)
-        _put(masks, mask_offsets, i, mask)
-        advance()
+    mask_sizes = []
+    with tempfile.TemporaryFile(dir=Path(group.file.filename).parent) as spilled:
+        for i, ((image, _), (problem, mask)) in enumerate(zip(pairs, prepared, strict=True)):
+            if problem is not None:
+                raise DataError(problem)
+            _put(images, image_offsets, i, image)
+            spilled.write(mask)
+            mask_sizes.append(len(mask))
+            advance()
+        mask_offsets = np.concatenate([[0], np.cumsum(mask_sizes)]).astype(np.int64)
+        masks = group.create_dataset("masks", shape=(mask_offsets[-1],), dtype=np.uint8)
+        spilled.seek(0)
+        for start in range(0, int(mask_offsets[-1]), COPY_BLOCK):
+            block = np.frombuffer(spilled.read(COPY_BLOCK), dtype=np.uint8)
+            masks[start:start + len(block)] = block
     group.create_dataset("image_offsets", data=image_offsets)
     group.create_dataset("mask_offsets", data=mask_offsets)
     group.create_dataset("names", data=np.array([str(image.relative_to(root))
