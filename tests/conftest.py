@@ -66,6 +66,14 @@ def start_train(*overrides: str, run_dir: Path, env: dict[str, str] | None = Non
                             env={**os.environ, **(env or {})})
 
 
+def as_typed_in_a_terminal() -> None:
+    """preexec_fn of a launch that stands for a command typed in a terminal: a session of its
+    own (the terminal's process group) and SIGHUP at its default action, as a shell leaves it,
+    even when the suite itself runs under nohup, whose ignored SIGHUP every child inherits."""
+    os.setsid()
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
     """Until `path` exists; fails if the process ends first or time runs out.
 

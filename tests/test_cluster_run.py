@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, LABRUN, PROJECT, PYTHON, manifest, read_summary, slurm_configured
+from conftest import (
+    FAST,
+    LABRUN,
+    PROJECT,
+    PYTHON,
+    as_typed_in_a_terminal,
+    manifest,
+    read_summary,
+    slurm_configured,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -56,7 +65,7 @@ def train(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def start(*overrides: str) -> subprocess.Popen:
     proc = subprocess.Popen([PYTHON, "train.py", "cluster=slurm_dev", *FAST, *overrides],
                             cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=as_typed_in_a_terminal)
     STARTED.append(proc)
     return proc
 

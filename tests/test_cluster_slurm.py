@@ -30,6 +30,7 @@ from conftest import (
     LM_TINY,
     PROJECT,
     PYTHON,
+    as_typed_in_a_terminal,
     assert_identical,
     freeze_outside_the_journal_lock,
     holder_pid,
@@ -308,7 +309,7 @@ def test_a_sweep_outlives_sighup_and_the_same_command_attaches_without_submittin
     first = tmp_path / "first.log"
     with open(first, "w") as out:
         launcher = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    preexec_fn=as_typed_in_a_terminal)
     # Submission, then both jobs' start-up: under a minute loaded, 3x that (180 s). Each job is
     # held still (SIGSTOP; SLURM still runs it) the moment its lock names it, until the second
     # launch has attached: a tiny job that ended meanwhile would only be skipped as completed.

@@ -20,6 +20,7 @@ from conftest import (
     LABRUN,
     PROJECT,
     PYTHON,
+    as_typed_in_a_terminal,
     freeze_outside_the_journal_lock,
     holder_pid,
     manifest,
@@ -60,7 +61,7 @@ def test_a_local_sweep_outlives_sighup_and_the_same_command_attaches(tmp_path):
     first = tmp_path / "first.log"
     with open(first, "w") as out:
         launcher = subprocess.Popen(args, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    preexec_fn=as_typed_in_a_terminal)
     # Start-up and the first steps: under a minute on a loaded 2-core machine; 300 s only
     # keeps a hung launcher from blocking the suite.
     wait_for_file(sweep_dir / "0" / "metrics.jsonl", first, launcher, timeout=300)
