@@ -22,7 +22,7 @@ from rich.console import Console
 
 from conftest import PROJECT, PYTHON, run_labrun, run_train
 from labrun import cli
-from labrun.bench.seg_data import SEG_DATA_TARGETS
+from labrun.bench.seg_data import PAIRS_VERSION, SEG_DATA_TARGETS
 from labrun.core.errors import DataError
 from labrun.data.image.decode import JpegImage, decode
 from labrun.data.segmentation import hdf5, segfolder
@@ -261,5 +261,6 @@ def test_bench_seg_data_runs_end_to_end_and_reports_the_ratio(tmp_path):
     # --check: exit 1 exactly when the target is missed by the figures it wrote.
     missed = [t.figure for t in SEG_DATA_TARGETS if not t.met(figures[t.figure])]
     assert result.returncode == (1 if missed else 0), result.stdout + result.stderr
-    assert (tmp_path / "seg-pairs-v1-n6-96x64-seed0.h5").is_file()
-    assert os.path.isfile(tmp_path / "seg-pairs-v1-n6-96x64-seed0" / "classes.txt")
+    pairs = tmp_path / f"seg-pairs-v{PAIRS_VERSION}-n6-96x64-seed0"
+    assert (tmp_path / f"{pairs.name}.h5").is_file()
+    assert os.path.isfile(pairs / "classes.txt")

@@ -21,9 +21,8 @@ sizes): one file serves any.
 
 Every pair is decoded once while converting, in parallel (where masks are re-encoded), so a
 corrupt file or a mask of another size than its image is refused now, naming it, rather than
-mid-run. The file is written
-under a temporary name and renamed when complete (core.files.atomic_path): an interrupted or
-refused conversion leaves no OUT.h5 that a run could read.
+mid-run. The file is written under a temporary name and renamed when complete (core.files.
+atomic_path): an interrupted or refused conversion leaves no OUT.h5 that a run could read.
 
 As for classification, each process opens the file on its first read and keeps it open (an
 HDF5 handle must not be used across a fork into the DataLoader workers); offsets are read once,
@@ -137,6 +136,9 @@ def prepare_pair(pair: tuple[Path, Path], decoder: str) -> tuple[str | None, byt
         mask = read_mask(mask_path)
     except DataError as error:
         return str(error), b""
+    except OSError as error:
+        return (f"{mask_path} could not be read ({one_line(error)}); replace it, or remove it "
+                f"and its image"), b""
     if image.shape[:2] != mask.shape:
         return (f"{mask_path} is {mask.shape[1]}x{mask.shape[0]} (width x height) but its "
                 f"image {image_path.name} is {image.shape[1]}x{image.shape[0]}; masks must "
