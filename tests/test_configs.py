@@ -116,3 +116,11 @@ def test_diff_of_bad_input_is_one_line(a, expected):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_a_misspelt_key_of_a_dataset_schema_gets_its_closest_name():
+    # The dataset/ group's schemas live in config/dataset_schema.py, beside config/schema.py.
+    from labrun.review.check import _did_you_mean
+
+    assert _did_you_mean("hflp", "AugmentConfig") == "; did you mean hflip?"
+    assert _did_you_mean("momentun", "SGDConfig") == "; did you mean momentum?"

@@ -290,8 +290,8 @@ def test_node_address_is_this_machines_address_towards_the_controller(tmp_path):
     # The controller at 127.0.0.53: the interface that routes there holds 127.0.0.1.
     conf.write_text("# comment\nClusterName=lab\nslurmctldhost=ctl(127.0.0.53)\n"
                     "SlurmctldHost=backup(10.0.0.9)\n")
-    assert metrics_endpoint.node_address(SlurmScheduler(slurm_conf=conf)) == ("127.0.0.1", "")
-    address, why = metrics_endpoint.node_address(SlurmScheduler(slurm_conf=tmp_path / "none.conf"))
+    assert SlurmScheduler(slurm_conf=conf).node_address() == ("127.0.0.1", "")
+    address, why = SlurmScheduler(slurm_conf=tmp_path / "none.conf").node_address()
     assert address is None and "no SLURM configuration" in why
 
 

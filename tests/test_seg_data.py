@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 from rich.console import Console
+from test_seg_masks import png_chunks
 
 from conftest import PROJECT, PYTHON, run_labrun, run_train
 from labrun import cli
@@ -56,7 +57,7 @@ def convert_quietly(root: Path, out: Path, **options) -> None:
 def converted(tmp_path_factory) -> tuple[Path, Path]:
     root = write_segfolder(tmp_path_factory.mktemp("seg") / "src")
     out = root.parent / "seg.h5"
-    convert_quietly(root, out)
+    run_labrun("convert", "seg", str(root), str(out))  # the real command, its worker processes
     return root, out
 
 
@@ -116,6 +117,17 @@ def test_a_run_gets_the_same_batches_from_the_file_as_from_the_folder(converted,
         assert torch.equal(images, stored_images) and torch.equal(masks, stored_masks)
 
 
+def test_masks_copied_into_the_file_in_blocks_keep_their_values(tmp_path, monkeypatch):
+    root = write_segfolder(tmp_path / "src")
+    monkeypatch.setattr(hdf5, "COPY_BLOCK", 100)  # each split's masks in several blocks
+    convert_quietly(root, tmp_path / "seg.h5")
+    folder = segfolder.load(str(root), "pil")
+    for split, source in hdf5.load(str(tmp_path / "seg.h5"), "pil").items():
+        assert source.mask_offsets[-1] > 2 * hdf5.COPY_BLOCK
+        for i in range(len(source)):
+            assert np.array_equal(mask_pixels(source.mask(i)), mask_pixels(folder[split].mask(i)))
+
+
 def test_the_layout_is_flat_arrays_and_offsets(converted):
     root, out = converted
     with h5py.File(out, "r") as file:
@@ -138,16 +150,9 @@ def test_the_layout_is_flat_arrays_and_offsets(converted):
 
 def row_filters(png: bytes) -> list[int]:
     """The filter type of each row of an 8-bit, one-byte-a-pixel PNG."""
-    offset, data, width = 8, b"", 0
-    while offset < len(png):
-        (length,) = struct.unpack_from(">I", png, offset)
-        kind, body = png[offset + 4:offset + 8], png[offset + 8:offset + 8 + length]
-        if kind == b"IHDR":
-            (width,) = struct.unpack_from(">I", body)
-        elif kind == b"IDAT":
-            data += body
-        offset += 12 + length
-    rows = zlib.decompress(data)
+    chunks = png_chunks(png)
+    (width,) = struct.unpack_from(">I", next(body for kind, body, _ in chunks if kind == b"IHDR"))
+    rows = zlib.decompress(b"".join(body for kind, body, _ in chunks if kind == b"IDAT"))
     return list(rows[::width + 1])
 
 
@@ -237,11 +242,13 @@ def test_a_classification_file_is_refused_naming_the_right_dataset(tmp_path):
         hdf5.load(str(path), "turbojpeg")
 
 
-def test_a_short_training_run_reads_the_file(converted, tmp_path):
-    _, out = converted
-    run_train("task=segmentation", "model=unet", "model.width=8", "dataset=seg_hdf5",
-              f"dataset.path={out}", "dataset.image_size=32", "trainer.max_steps=2",
-              "trainer.batch_size=4", "trainer.max_epochs=null", run_dir=tmp_path / "run")
+@pytest.mark.parametrize("dataset", ["seg_hdf5", "segfolder"])
+def test_a_short_training_run_reads_the_file(converted, tmp_path, dataset):
+    root, out = converted
+    where = f"dataset.path={out}" if dataset == "seg_hdf5" else f"dataset.root={root}"
+    run_train("task=segmentation", "model=unet", "model.width=8", f"dataset={dataset}", where,
+              "dataset.image_size=32", "trainer.max_steps=2", "trainer.batch_size=4",
+              "trainer.max_epochs=null", run_dir=tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["step"] == 2, summary
 

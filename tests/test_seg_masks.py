@@ -14,7 +14,7 @@ from labrun.core.errors import DataError
 from labrun.data.segmentation import masks
 from labrun.data.segmentation.masks import PngMask, decode_mask, open_mask
 
-pytestmark = pytest.mark.skipif(
+needs_rows = pytest.mark.skipif(
     masks._decode_rows is None,
     reason="the _png_rows extension is not built (no C compiler or libpng headers at install)")
 
@@ -28,6 +28,17 @@ def mask_png(mask: np.ndarray, mode: str = "L") -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+def png_chunks(png: bytes) -> list[tuple[bytes, bytes, int]]:
+    """(type, data, the offset just past it) of each chunk of a PNG file, in order."""
+    chunks, offset = [], len(masks.PNG_SIGNATURE)
+    while offset < len(png):
+        (length,) = struct.unpack_from(">I", png, offset)
+        end = offset + 12 + length  # length, type, data, CRC
+        chunks.append((png[offset + 4:offset + 8], png[offset + 8:offset + 8 + length], end))
+        offset = end
+    return chunks
 
 
 def regions(rng: np.random.Generator, height: int, width: int, count: int):
@@ -50,6 +61,7 @@ def blobs(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
     return mask
 
 
+@needs_rows
 @pytest.mark.parametrize("mode", ["L", "P"])
 def test_a_crop_equals_the_same_region_of_the_whole_decode(mode):
     rng = np.random.default_rng(0)
@@ -65,18 +77,14 @@ def test_a_crop_equals_the_same_region_of_the_whole_decode(mode):
             assert np.array_equal(crop, mask[top:top + h, left:left + w]), (top, left, h, w)
 
 
+@needs_rows
 def test_no_row_below_the_crop_is_decoded():
     # Noise does not compress, so Pillow writes the rows in several IDAT chunks; cutting the
     # file after the second leaves only the top rows readable.
     rng = np.random.default_rng(1)
     mask = rng.integers(0, 256, (512, 512), dtype=np.uint8)
     data = mask_png(mask)
-    chunks, offset = [], 8
-    while offset < len(data):
-        (length,) = struct.unpack_from(">I", data, offset)
-        chunks.append((data[offset + 4:offset + 8], offset, offset + 12 + length))
-        offset += 12 + length
-    idat_ends = [end for kind, _, end in chunks if kind == b"IDAT"]
+    idat_ends = [end for kind, _, end in png_chunks(data) if kind == b"IDAT"]
     assert len(idat_ends) >= 3, "the test needs a mask stored in several IDAT chunks"
     cut = data[:idat_ends[1]]
     opened = open_mask(cut, "cut.png")
@@ -88,6 +96,7 @@ def test_no_row_below_the_crop_is_decoded():
         decode_mask(cut, "cut.png")
 
 
+@needs_rows
 def test_damaged_data_is_refused_naming_the_file():
     # A changed byte in the compressed rows: inflate fails before the chunk's CRC is read.
     # (torchvision's decode_png, which read masks before, crashed the process on this file.)
@@ -117,3 +126,14 @@ def test_masks_the_row_decoder_does_not_take_are_decoded_whole():
         open_mask(colour.getvalue(), "colour.png")
     with pytest.raises(DataError, match="short.png is not a readable PNG"):
         open_mask(b"\x89PNG\r\n", "short.png")
+
+
+def test_without_the_row_decoder_masks_are_decoded_whole(monkeypatch):
+    # As on a machine that installed labrun without a C compiler or libpng's headers.
+    monkeypatch.setattr(masks, "_decode_rows", None)
+    mask = blobs(np.random.default_rng(4), 30, 40)
+    for mode in ("L", "P"):
+        opened = open_mask(mask_png(mask, mode), "m.png")
+        assert isinstance(opened, np.ndarray) and np.array_equal(opened, mask)
+    with pytest.raises(DataError, match="short.png is not a readable PNG"):
+        open_mask(mask_png(mask)[:60], "short.png")

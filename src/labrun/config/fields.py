@@ -41,13 +41,6 @@ def key(default: Any = MISSING, *, factory: Any = NO_DEFAULT, path: bool = False
     return dataclasses.field(default=default, metadata={"facts": facts})
 
 
-def field_facts(schema: type, name: str) -> Facts:
-    """The facts one field of `schema` declares (what code outside the config reads of a key
-    it owns: its choices, say), straight from the field, without collecting every schema."""
-    field = next(f for f in dataclasses.fields(schema) if f.name == name)
-    return field.metadata.get("facts", PLAIN)
-
-
 def collect(schemas: dict[str, type]) -> dict[str, Facts]:
     """Dotted key -> Facts for every field of `schemas` ({"train": TrainConfig,
     "dataset/digits": DigitsConfig, ...}). Group sections (dataset, model, ...) take the union

@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterable
 from labrun.core.errors import ConfigError
 
 DEFAULT_MONITOR = "val/acc"
+MODES = ("max", "min")  # checkpoint.mode's values
 DEFAULT_MODE = "max"
 # Optuna's name for each mode's direction (hydra.sweeper.direction, unless set).
-OPTUNA_DIRECTIONS = {"max": "maximize", "min": "minimize"}
+OPTUNA_DIRECTIONS = dict(zip(MODES, ("maximize", "minimize"), strict=True))
 
 
 def maximizes(mode: str) -> bool:

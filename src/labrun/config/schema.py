@@ -39,7 +39,7 @@ from labrun.config.dataset_schema import (
 )
 from labrun.config.fields import key
 from labrun.config.keys import NewKeys
-from labrun.config.objective import DEFAULT_MODE, DEFAULT_MONITOR
+from labrun.config.objective import DEFAULT_MODE, DEFAULT_MONITOR, MODES
 
 # ---------------------------------------------------------------------------------------------
 # Top level
@@ -83,7 +83,7 @@ class CheckpointConfig:
     # What a run is judged by: the task's config sets both (conf/task/); these hold for a task
     # whose config names no monitor (config/objective.py).
     monitor: str = DEFAULT_MONITOR
-    mode: str = key(DEFAULT_MODE, choices=("max", "min"))
+    mode: str = key(DEFAULT_MODE, choices=MODES)
     keep_last: int = key(3, resume_safe=True, affects_result=False)  # step-NNNNNNNN.pt history files kept beside last.pt and best.pt
     # What a completed or pruned run keeps (train/checkpoint.py, labrun gc). best_last: best.pt
     # and last.pt; best: best.pt alone; auto: best_last in a sweep job, all in a single run.

@@ -15,9 +15,8 @@ from pathlib import Path
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
-from labrun.config.fields import collect
+from labrun.config.facts import all_facts
 from labrun.config.keys import check_keys
-from labrun.config.schema import SCHEMAS
 from labrun.core.environment import Environment
 from labrun.core.errors import ConfigError
 
@@ -49,7 +48,7 @@ def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
     read_data=False leaves out the task's check of the data's own files (check_task), for a
     config whose paths stand in for what the command line will give (`labrun configs check`)."""
     check_keys(cfg)
-    declared = collect(SCHEMAS)  # each key's facts, as its schema field states them
+    declared = all_facts()  # each key's facts, as its schema field states them
     for dotted, facts in declared.items():
         if facts.choices:
             _check_choice(cfg, dotted, facts.choices)

@@ -39,14 +39,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from labrun.config import facts
-from labrun.config.fields import field_facts
-from labrun.config.schema import ContainerConfig
 from labrun.core.files import atomic_path
 from labrun.core.scheduler import SlurmScheduler
 from labrun.runs.provenance import CONTAINER_DIGEST_ENV as DIGEST_ENV
 from labrun.runs.provenance import CONTAINER_IMAGE_ENV as IMAGE_ENV
-
-RUNTIMES = field_facts(ContainerConfig, "runtime").choices  # as the schema field declares them
 
 
 def mounts(cluster: DictConfig, job_config: DictConfig, code_dir: Path, sweep_dir: Path,

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, open_dict
 
 from labrun.core import probes
 from labrun.core.errors import ConfigError
-from labrun.core.scheduler import LocalScheduler, Scheduler
+from labrun.core.scheduler import LocalScheduler
 from labrun.launch import sweep
 from labrun.runs import lock as run_lock
 from labrun.runs.lock_holder import live_holder
@@ -105,11 +105,6 @@ class LocalLauncher(sweep.SweepLauncher):
         mine = job_gpus(job)
         machine.free = [gpu for gpu in machine.free if gpu not in mine]
         machine.running[job.num] = (Attached(job), mine)
-
-    @classmethod
-    def cancel_jobs(cls, asked: Scheduler, jobs: list[Job]) -> None:
-        for job in jobs:  # its controller, or where that is gone the process holding its folder
-            stop_job(job)
 
     def _start_queued(self) -> None:
         """Start the queued jobs that fit now: a free slot and enough free GPUs."""

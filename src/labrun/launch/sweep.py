@@ -14,7 +14,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
-import importlib
 import logging
 import os
 import time
@@ -40,12 +39,6 @@ from labrun.runs.sweepdir import Job, SweepDir, print_table, read_result
 
 log = logging.getLogger(__name__)
 
-# Each launcher by its scheduler's name (jobs.json's backend), registered as it is defined:
-# `labrun cancel` stops a sweep's jobs through their launcher's hook (launcher_of).
-LAUNCHERS: dict[str, type[SweepLauncher]] = {}
-# labrun's own launchers, imported by launcher_of (a lab's registers when its module is).
-OWN_LAUNCHERS = ("labrun.launch.local", "labrun.launch.slurm")
-
 
 class SweepLauncher(Launcher):
     """A Hydra launcher for labrun's sweeps. A subclass names its `scheduler` (its name is
@@ -66,11 +59,6 @@ class SweepLauncher(Launcher):
     # Whether a run without -m goes through this launcher too (launch/cluster_run.py): on a
     # cluster, where the run must not train on the machine it was typed on.
     SUBMITS_SINGLE_RUNS: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "scheduler" in vars(cls):  # not a plugin's name for a launcher defined already
-            LAUNCHERS[cls.scheduler.name] = cls
 
     def __init__(self) -> None:
         self.config: DictConfig | None = None
@@ -117,12 +105,6 @@ class SweepLauncher(Launcher):
 
     def adopt(self, job: Job) -> None:
         """Take over waiting for `job`, which an earlier launch started and that still runs."""
-
-    @classmethod
-    def cancel_jobs(cls, asked: Scheduler, jobs: list[Job]) -> None:
-        """`labrun cancel`, from any process: stop these jobs, which wait or run now (a running
-        one saves a checkpoint); `asked`: their scheduler. By default its own cancel."""
-        asked.cancel([job.job_id for job in jobs])
 
     def manifest_extra(self) -> dict[str, Any]:
         """The launcher's own keys in jobs.json."""
@@ -373,14 +355,6 @@ def attach(scheduler: Scheduler, jobs: list[Job], sweep_dir: Path) -> list[Job]:
         elif old.job_id:
             job.attempts.append(old.attempt())
     return attached
-
-
-def launcher_of(backend: str) -> type[SweepLauncher]:
-    """The launcher whose scheduler is `backend` (jobs.json's), for its hooks; SweepLauncher's
-    defaults for a lab's launcher whose module this process has not imported."""
-    for module in OWN_LAUNCHERS:
-        importlib.import_module(module)
-    return LAUNCHERS.get(backend, SweepLauncher)
 
 
 def _detached_return(job: Job) -> JobReturn:

@@ -35,7 +35,6 @@ from prometheus_client.registry import Collector
 
 from labrun.core import environment, scheduler
 from labrun.core.errors import ConfigError
-from labrun.core.scheduler import Scheduler
 from labrun.runs.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -363,11 +362,11 @@ def listen_address(bind: str) -> str:
     return address
 
 
-def node_address(asked: Scheduler | None = None) -> tuple[str | None, str]:
+def node_address() -> tuple[str | None, str]:
     """(the address of this node's interface that routes to the controller, "") or (None, why
-    there is none). The lab's Prometheus reaches compute nodes the way the controller does.
-    The scheduler asked is `asked`, by default this process's (core.scheduler.here)."""
-    return (scheduler.here() if asked is None else asked).node_address()
+    there is none), asked of this process's scheduler (core.scheduler.here). The lab's
+    Prometheus reaches compute nodes the way the controller does."""
+    return scheduler.here().node_address()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from labrun.core.files import write_json_atomic
-from labrun.runs.lock_holder import Holder, live_holder, me
+from labrun.runs.lock_holder import Holder, live_holder
 from labrun.runs.rundir import RUN_MARKERS, RunDir
 
 log = logging.getLogger(__name__)
@@ -107,18 +107,13 @@ def node_target(run_dir: Path, node: dict[str, Any], holder: Holder) -> Target |
 
 def discover(roots: Iterable[str | Path]) -> list[Target]:
     """One target per node description of every run under `roots` that trains now."""
-    # The observer is this process, which holds nothing: the requeue rule of stale_reason
-    # (same job, higher restart count) only ever applies to a training process.
-    observer = me()
     targets = []
     for run_dir in run_folders(roots):
         folder = RunDir(run_dir)
-        if not folder.monitor_dir.is_dir():
-            continue
         nodes = folder.monitor_endpoints()
         if not nodes:
             continue
-        holder = live_holder(folder.lock_path, observer)
+        holder = live_holder(folder.lock_path)
         if holder is None:
             continue
         for node in nodes:

@@ -21,8 +21,8 @@ from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from labrun.config import dataset_schema, validation
 from labrun.config import schema as config
-from labrun.config import validation
 from labrun.config.messages import user_error_message
 from labrun.config.resolve import PRIMARY, Leaves, flatten, hydra_context
 from labrun.core.errors import ConfigError, first_line
@@ -203,7 +203,8 @@ def _composition_message(text: str) -> str:
 
 
 def _did_you_mean(key: str, schema: str) -> str:
-    fields = getattr(getattr(config, schema, None), "__dataclass_fields__", {})
+    owner = getattr(config, schema, None) or getattr(dataset_schema, schema, None)
+    fields = getattr(owner, "__dataclass_fields__", {})
     hint = difflib.get_close_matches(key, list(fields), n=1)
     return f"; did you mean {hint[0]}?" if hint else ""
 

@@ -31,19 +31,13 @@ import numpy as np
 import torch
 
 import labrun
-from labrun.config.fields import field_facts
 from labrun.config.objective import DEFAULT_MODE, DEFAULT_MONITOR, better
-from labrun.config.schema import CheckpointConfig
 from labrun.core.errors import LabrunError
 from labrun.core.files import atomic_path
 from labrun.runs.lock import ensure_owner
 from labrun.runs.rundir import RunDir
 
 STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
-# checkpoint.on_finish: what a completed or pruned run keeps. "auto" is best_last in a sweep job
-# (launch/sweep.py writes that into the job's config) and all in a single run. The values are
-# the ones its schema field declares.
-ON_FINISH = field_facts(CheckpointConfig, "on_finish").choices
 
 
 class CheckpointError(LabrunError):

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from labrun.core import scheduler
 from labrun.core.errors import LabrunError
-from labrun.core.scheduler import LIVE_STATES
-from labrun.launch.sweep import launcher_of
+from labrun.core.scheduler import LIVE_STATES, LocalScheduler
+from labrun.launch.local import stop_job
 from labrun.runs.lock_holder import live_holder
 from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, SweepDir, has_ended
@@ -60,9 +60,11 @@ def cancel(sweep_dir: Path) -> list[Job]:
         manifest = {**manifest, "jobs": sweep.read_jobs()["jobs"]}  # what it recorded last
         jobs = manifest["jobs"]
     live = not_ended(backend, manifest.get("scheduler"), jobs)
-    if live:  # the way their launcher stops them (its hook; by default their scheduler's cancel)
-        launcher_of(backend).cancel_jobs(scheduler.named(backend, manifest.get("scheduler")),
-                                         live)
+    if backend == LocalScheduler.name:
+        for job in live:  # its controller, or where that is gone the process holding its folder
+            stop_job(job)
+    elif live:
+        scheduler.named(backend, manifest.get("scheduler")).cancel([job.job_id for job in live])
     now = time.time()
     for job in live:
         job.state, job.cancelled_at = "cancelled", now

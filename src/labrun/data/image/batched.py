@@ -37,12 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from labrun.config.dataset_schema import ImageDatasetConfig
-from labrun.config.fields import field_facts
+from labrun.config.facts import facts_of
 from labrun.core.errors import ConfigError, DataError, one_line
 from labrun.data.image.decode import encode_jpeg, jpeg_size
 
-DECODES = field_facts(ImageDatasetConfig, "decode").choices  # dataset.decode's, declared there
+DECODES = facts_of("dataset.decode").choices  # as the schema field declares them
 
 log = logging.getLogger(__name__)
 
