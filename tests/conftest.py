@@ -89,12 +89,12 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.02)  # a stat costs microseconds: react to the file (a kill) promptly
 
 
-def run_labrun(*args: str, check: bool = True, timeout: int = 300, cwd: Path = PROJECT
-               ) -> subprocess.CompletedProcess:
+def run_labrun(*args: str, check: bool = True, timeout: int = 300, cwd: Path = PROJECT,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     # timeout: the slowest command a test runs (`labrun resume` of a DETERMINISTIC run) is a
     # run's remainder at most: the same 300 s as run_train.
     result = subprocess.run([LABRUN, *args], cwd=cwd, capture_output=True, text=True,
-                            timeout=timeout)
+                            timeout=timeout, env={**os.environ, **(env or {})})
     if check and result.returncode != 0:
         raise AssertionError(f"labrun {' '.join(args)} failed ({result.returncode}):\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

@@ -10,6 +10,7 @@ trained at once; one export per format; one server for every request test."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
 from pathlib import Path
@@ -20,12 +21,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import PROJECT, start_train
+from conftest import PROJECT, run_labrun, start_train
 from labrun import models
 from labrun.core.errors import LabrunError
 from labrun.data import tokens
-from labrun.deploy import export, lm, load, runtime
+from labrun.deploy import export, load, runtime
 from labrun.deploy.served import serving
+from labrun.tasks import classification, lm
 
 # Four lines over and over: in 200 steps (a second) a 1-layer model learns enough of them that
 # its greedy continuation is text, not one repeated byte (a space, the most frequent, before).
@@ -246,7 +248,7 @@ def test_the_bytes_codec_replaces_a_cut_character_and_other_checks_refuse_in_one
     assert codec.decode([0x68, 0x69, 0xE2, 0x82]) == "hi\ufffd"  # "€" cut after 2 of 3 bytes
     # An image predictor (`labrun predict`) given a language model's export names both.
     with pytest.raises(LabrunError, match="task=lm run, not task=classification"):
-        runtime.Predictor(exported["onnx"].path)
+        classification.Predictor(exported["onnx"].path)
     # A language model's checkpoint from before export knew them lacks vocab and window.
     state = torch.load(runs["bytes"] / "checkpoints" / "best.pt", weights_only=True)
     for key in ("task", "vocab_size", "block_size"):
@@ -256,3 +258,30 @@ def test_the_bytes_codec_replaces_a_cut_character_and_other_checks_refuse_in_one
     with pytest.raises(LabrunError, match="without vocab_size, block_size .*train the run again"):
         export.export(old, out=tmp_path / "old.onnx")
     assert not list(tmp_path.glob("*.onnx"))  # refused before anything was written
+
+
+def test_the_real_commands_export_serve_and_eval_a_language_model_run(runs, tmp_path):
+    """`labrun export RUN`, `labrun serve RUN_DIR` and `labrun eval RUN` as typed, each of a
+    language model's run (the in-process calls above go around the command lines)."""
+    run_dir = runs["bytes"]
+    out = tmp_path / "lm.torchscript.pt"
+    exported = run_labrun("export", str(run_dir), "--format", "torchscript", "--out", str(out))
+    meta = json.loads(runtime.metadata_path(out).read_text())
+    assert (meta["task"], meta["deploy"], meta["format"]) == ("lm", "labrun.tasks.lm",
+                                                              "torchscript")
+    assert meta["parity"]["passed"] and "next token agrees" in exported.stderr
+
+    model, _ = eager_model(run_dir / "checkpoints" / "best.pt")
+    expected = greedy(model, list(PROMPT.encode()), 12)
+    with serving(run_dir, tmp_path / "server.log", cwd=PROJECT) as served:  # the run folder
+        answer = generate(served.url, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+    assert answer.status_code == 200 and answer.json()["token_ids"] == expected
+
+    result = run_labrun("eval", str(run_dir), "--split", "val")
+    [written] = (run_dir / "eval").glob("*-val-best.json")
+    record = json.loads(written.read_text())
+    metrics = record["metrics"]
+    assert record["split"] == "val" and "val/loss" in result.stdout
+    assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-9)
+    # It learnt the four lines: far below a uniform guess over 256 bytes (ln 256 = 5.5).
+    assert metrics["val/loss"] < 2.5 and 0.3 < metrics["val/acc"] <= 1

@@ -30,8 +30,9 @@ from PIL import Image
 from conftest import PROJECT, built_once, run_labrun
 from labrun import cli, models
 from labrun.data.segmentation.shapes import CLASS_NAMES, draw
-from labrun.deploy import export, runtime, segmentation
+from labrun.deploy import export, runtime
 from labrun.deploy.served import serving
+from labrun.tasks import segmentation
 
 HEADER = "x-batch-size"
 # The model reaches a pixel accuracy of about 0.9 on its val split; a broken pipeline (wrong

@@ -33,9 +33,9 @@ from conftest import LABRUN, PROJECT, digit_jpeg, run_labrun
 from labrun import cli, models
 from labrun.data.image import digits
 from labrun.data.image.transforms import ValTransform, normalize_on_device
-from labrun.deploy import runtime as inference
 from labrun.deploy.serve import MAX_CONCURRENCY
 from labrun.deploy.served import serving
+from labrun.tasks.classification import Predictor
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_the_server_prepares_exactly_the_val_loaders_pixels(onnx_model):
     from labrun.data.image import decode as data_decode
     from labrun.data.image.transforms import center_crop_box
 
-    predictor = inference.Predictor(onnx_model)
+    predictor = Predictor(onnx_model)
     rng = np.random.default_rng(0)
     for (height, width), scale in (((70, 90), None), ((90, 76), (1, 2)), ((40, 50), None)):
         image = cv2.GaussianBlur(rng.integers(0, 256, (height, width, 3), dtype=np.uint8),

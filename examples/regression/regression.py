@@ -1,13 +1,14 @@
 """Regression on scikit-learn's diabetes data (442 patients, 10 features, bundled with
-scikit-learn: nothing downloaded), as a lab adds a task without touching labrun: this module on
-PYTHONPATH, and conf/experiment/diabetes.yaml on Hydra's search path.
+scikit-learn: nothing downloaded), as a lab adds a task without touching labrun: this module
+and regression_deploy.py on PYTHONPATH, and conf/experiment/diabetes.yaml on Hydra's search path.
 
     PYTHONPATH=examples/regression python train.py \
         'hydra.searchpath=[file://examples/regression/conf]' experiment=diabetes
 
 What labrun asks of it: a dataset (splits, what it declares to the task, loaders in labrun's
 sample order: labrun.data.epoch_loader gives exact resume and DDP sharding), a model, and a
-task that owns the batch (labrun.train.task's protocol).
+task that owns the batch (labrun.train.task's protocol) and names its deploy module, which
+exports, serves and predicts the trained model (regression_deploy.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from torch.utils.data import Dataset
 
 from labrun import models
 from labrun.data import epoch_loader
+
+# load_diabetes' own names: age, sex, body mass index, blood pressure, six blood serum readings.
+FEATURES = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]
 
 
 class Rows(Dataset):
@@ -54,6 +58,7 @@ class Diabetes:
         mean, std = targets[parts["train"]].mean(), targets[parts["train"]].std()
         self.rows = {split: Rows(features[rows], (targets[rows] - mean) / std)
                      for split, rows in parts.items()}
+        self.target_mean, self.target_std = float(mean), float(std)
         self.num_workers = num_workers
 
     @property
@@ -62,7 +67,8 @@ class Diabetes:
 
     @property
     def info(self) -> dict[str, Any]:
-        return {"features": self.rows["train"].features.shape[1]}
+        return {"features": self.rows["train"].features.shape[1], "feature_names": FEATURES,
+                "target_mean": self.target_mean, "target_std": self.target_std}
 
     def loader(self, split: str, **sizes: Any) -> torch.utils.data.DataLoader:
         return epoch_loader(self.rows[split], train=split == "train", name="diabetes",
@@ -81,16 +87,20 @@ class MLP(nn.Sequential):
 
 
 class Regression:
-    """Mean squared error; val/loss (its mean) and val/mae."""
+    """Mean squared error; val/loss (its mean) and val/mae, of the standardised target."""
 
     num_sums = 3  # squared errors, absolute errors, count
     metric_names = ("loss", "mae")
+    deploy = "regression_deploy"  # export, serving and `labrun predict` (regression_deploy.py)
+
+    def __init__(self) -> None:
+        self.meta: dict[str, Any] = {}
 
     def build_model(self, model_cfg, info: dict[str, Any]) -> nn.Module:
         return models.build(model_cfg, features=info["features"])
 
     def setup(self, info: dict[str, Any], device: torch.device, memory_format: Any) -> None:
-        pass
+        self.meta = dict(info)  # the features' names, the target's scale: what serving needs
 
     def prepare(self, batch, device: torch.device):
         return tuple(t.to(device) for t in batch)
@@ -114,4 +124,4 @@ class Regression:
         return {f"{split}/loss": squared / count, f"{split}/mae": absolute / count}
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {}
+        return self.meta

@@ -68,6 +68,7 @@ from labrun.bench.targets import Target, Verdict, judge, report
 from labrun.core.errors import LabrunError
 from labrun.deploy import batching, export
 from labrun.deploy import runtime as inference
+from labrun.tasks.classification import Predictor
 from labrun.train.checkpoint import save_weights_only
 
 NUM_IMAGES = 16
@@ -135,7 +136,7 @@ def run(args) -> list[Verdict]:
         cores = inference.default_threads(1)
         predictor, _, _ = load_model(model, cores, None)
         # The ceiling's other way of using the cores: one call on all of them.
-        whole = inference.Predictor(model, cores)
+        whole = Predictor(model, cores)
         images = torch.stack([predictor.prepare(j) for j in jpegs])
         inputs = [predictor.normalize(images[i:i + 1]) for i in range(len(jpegs))]
         batches = {b: predictor.normalize(images[torch.arange(b) % len(jpegs)])

@@ -32,7 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "another: RUN/eval/*.json"),
     "export": ("labrun.cli.export", "export a run's model to TorchScript or ONNX"),
     "serve": ("labrun.cli.serve", "serve an exported model over HTTP"),
-    "predict": ("labrun.cli.predict", "predict images offline with an exported model"),
+    "predict": ("labrun.cli.predict", "predict offline with an exported model or a run: "
+                "its task's inputs (images, or a lab task's own)"),
     "weights": ("labrun.cli.weights", "pretrained weights for offline nodes: fetch into the "
                 "lab's cache, list it"),
     "doctor": ("labrun.cli.doctor", "check this machine's GPU/CUDA/NCCL/SLURM set-up"),

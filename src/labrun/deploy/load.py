@@ -6,9 +6,9 @@
     ...
     remove_folder(tmp)
 
-An image classifier's Predictor by default; with task=None, what the model's own task is served
-with (`labrun serve`, `labrun predict`): a LanguageModel for an export of task=lm, a Segmenter
-for one of task=segmentation (labrun.deploy.segmentation).
+What it loads is what the model's task serves with: the deploy module that the export's
+metadata (or the checkpoint) names loads it (labrun.deploy.hooks); deploy_of(MODEL) names that
+module without loading anything, for what must be checked first (`labrun predict`'s arguments).
 
 This sits above both labrun.deploy.export and labrun.deploy.runtime, so that the runtime never
 needs the exporter (export's parity check runs the exported file through the runtime).
@@ -20,12 +20,11 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from labrun.core.errors import LabrunError
-from labrun.deploy import lm, runtime, segmentation
-from labrun.deploy.segmentation import Segmenter
-
-Model = runtime.Predictor | lm.LanguageModel | Segmenter  # what a MODEL argument becomes
+from labrun.deploy import hooks, runtime
 
 
 def is_torchscript_archive(path: Path) -> bool:
@@ -57,15 +56,11 @@ def export_for_inference(model: Path, folder: Path) -> Path:
     return out
 
 
-def load(model: str | Path, threads: int | None = None,
-         task: str | None = runtime.CLASSIFICATION
-         ) -> tuple[Model, Path | None]:
+def load(model: str | Path, threads: int | None = None, task: str | None = None
+         ) -> tuple[Any, Path | None]:
     """The model of any MODEL argument, ready to answer, and the temp folder to delete
     afterwards (or None). `task`: the task it must be an export of (None: any)."""
-    model = Path(model)
-    if not model.exists():
-        raise LabrunError(f"{model}: no such file or folder; give an exported .onnx or .pt "
-                          f"file, a run folder or a checkpoint")
+    model = existing(model)
     if not needs_export(model):
         return open_exported(model, threads, task), None
     folder = Path(tempfile.mkdtemp(prefix="labrun-export-"))
@@ -76,14 +71,29 @@ def load(model: str | Path, threads: int | None = None,
         raise
 
 
-def open_exported(path: Path, threads: int | None, task: str | None) -> Model:
-    if task is None:
-        task = runtime.task_of(runtime.read_metadata(path, task=None))
-    if task == lm.TASK:
-        return lm.LanguageModel(path, threads)
-    if task == segmentation.TASK:
-        return Segmenter(path, threads)
-    return runtime.Predictor(path, threads)  # which refuses an export of another task
+def open_exported(path: Path, threads: int | None, task: str | None) -> Any:
+    meta = runtime.read_metadata(path, task=task)
+    return hooks.of_metadata(meta, path).load(path, threads)
+
+
+def deploy_of(model: str | Path) -> ModuleType:
+    """The deploy module of a MODEL argument, read from its metadata or checkpoint."""
+    model = existing(model)
+    if not needs_export(model):
+        return hooks.of_metadata(runtime.read_metadata(model), model)
+    from labrun.deploy import export
+    from labrun.train.checkpoint import load as load_checkpoint
+
+    checkpoint, _ = export.find_checkpoint(model, "best")
+    return hooks.of_checkpoint(load_checkpoint(checkpoint), checkpoint)
+
+
+def existing(model: str | Path) -> Path:
+    model = Path(model)
+    if not model.exists():
+        raise LabrunError(f"{model}: no such file or folder; give an exported .onnx or .pt "
+                          f"file, a run folder or a checkpoint")
+    return model
 
 
 def remove_folder(folder: Path | None) -> None:

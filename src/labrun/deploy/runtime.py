@@ -1,18 +1,17 @@
-"""Load an exported model, preprocess images exactly as validation does, and predict.
+"""What every task's served model shares: an exported file in its runtime, its metadata,
+and images decoded as the training data pipeline decodes them.
 
-    predictor = Predictor(MODEL)      MODEL: model.onnx | model.torchscript.pt, each with its
-                                      metadata JSON beside it (labrun.deploy.load also takes a
-                                      run folder or a checkpoint, exporting it first)
-    image = predictor.prepare(jpeg_bytes)   # uint8 3xSxS, exactly as the run's val loader
-    predictor.predict([image, ...], k=5) -> [[{"class", "index", "prob"}, ...], ...]
+    run = open_runtime(MODEL, fmt)    MODEL: model.onnx | model.torchscript.pt; run(array) ->
+                                      float32 array, on the GPU when the runtime has one
+    meta = read_metadata(MODEL)       the metadata JSON that `labrun export` wrote beside it,
+                                      checked against the keys its task's deploy module reads
+    open_image(bytes, decoder)        an upload's image, refused (ImageError) when it is no
+                                      usable image, before memory is taken for it
 
-`labrun serve`, `labrun predict`, the parity check of `labrun export` and the serving benchmark
-all go through this module (a language model's export is served by labrun.deploy.lm, on the
-same runtimes and metadata reader), so a served answer and an offline answer cannot drift apart.
-
-The exported model takes normalised float NCHW input, as the eager model does; the
-preprocessing (decode, ValTransform, normalise) lives here and reads its settings (size,
-resize ratio, mean, std) from the metadata JSON that `labrun export` writes beside the model.
+Each task's deploy module (labrun.deploy.hooks) builds its served model on these: `labrun
+serve`, `labrun predict`, the parity check of `labrun export` and the serving benchmark all run
+an exported file through open_runtime, so a served answer and an offline answer cannot drift
+apart.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import io
 import json
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from PIL import Image, UnidentifiedImageError
 
 from labrun.core.errors import LabrunError, one_line
 from labrun.data.image import decode as data_decode
-from labrun.data.image.transforms import ValTransform, normalize_on_device
+from labrun.deploy import hooks
 
 # An upload may be a small file that decodes into a huge image (a "decompression bomb");
 # 50 megapixels covers any camera photo and bounds the memory one request can take (150 MB).
@@ -82,10 +81,10 @@ def open_image(data: bytes, decoder: str = "turbojpeg") -> np.ndarray | data_dec
     if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
         raise ImageError(f"image is {width}x{height}, more elongated than "
                          f"{MAX_ASPECT_RATIO}:1")
-    return _decoding(data_decode.open_image, data, decoder)
+    return decoding(data_decode.open_image, data, decoder)
 
 
-def _decoding(decode: Callable, *args: Any) -> Any:
+def decoding(decode: Callable, *args: Any) -> Any:
     """decode(*args), with whatever a decoder raises on bad data as one ImageError."""
     try:
         return decode(*args)
@@ -149,79 +148,19 @@ def torchscript_runtime(path: Path, threads: int | None = None
     return run
 
 
+def open_runtime(path: Path, fmt: str, threads: int | None = None
+                 ) -> Callable[[np.ndarray], np.ndarray]:
+    """The exported file of `fmt` ("onnx", "torchscript") in its own runtime."""
+    return (onnx_runtime if fmt == "onnx" else torchscript_runtime)(path, threads)
+
+
 # ---------------------------------------------------------------------------------------------
-# The predictor
+# The metadata
 
 
-class Predictor:
-    """An exported model with the preprocessing it was trained with."""
-
-    def __init__(self, model_path: str | Path, threads: int | None = None):
-        self.model_path = Path(model_path)
-        self.threads = threads  # the runtime's intra-op threads (None: its own default)
-        self.metadata = read_metadata(self.model_path)
-        meta = self.metadata
-        self.class_names: list[str] = list(meta["class_names"])
-        self.transform = ValTransform(int(meta["image_size"]), float(meta["val_resize_ratio"]))
-        self.mean = torch.tensor(meta["mean"], dtype=torch.float32).view(1, -1, 1, 1)
-        self.std = torch.tensor(meta["std"], dtype=torch.float32).view(1, -1, 1, 1)
-        self.dtype = torch.float16 if meta.get("dtype") == "float16" else torch.float32
-        self.decoder = data_decode.resolve(meta.get("decoder", "turbojpeg"))
-        make_runtime = onnx_runtime if meta["format"] == "onnx" else torchscript_runtime
-        self.runtime = make_runtime(self.model_path, threads)
-        # One real inference now: a model that cannot run fails at start-up, not per request.
-        size = self.transform.size
-        self.logits(torch.zeros(1, 3, size, size, dtype=torch.uint8))
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.class_names)
-
-    @property
-    def device(self) -> str:
-        """Where the model runs: "cuda" or "cpu"."""
-        return self.runtime.device
-
-    def prepare(self, data: bytes) -> torch.Tensor:
-        """Image bytes -> uint8 3xSxS, the pixels the run's val loader makes of them: its
-        decoder, the validation resize and centre crop. A JPEG decodes only the crop's
-        rectangle, at the smallest DCT scale that keeps it at least the model's size."""
-        return _decoding(self.transform, open_image(data, self.decoder))
-
-    def normalize(self, batch: torch.Tensor) -> np.ndarray:
-        """uint8 NCHW -> the model's input, normalised as the trainer does on its device."""
-        return normalize_on_device(batch, self.mean, self.std, self.dtype).numpy()
-
-    def logits(self, batch: torch.Tensor) -> np.ndarray:
-        return self.runtime(self.normalize(batch))
-
-    def predict(self, images: Sequence[torch.Tensor], k: int = 5) -> list[list[dict[str, Any]]]:
-        """The k most likely classes of each prepared image, most likely first."""
-        return self.top_k(self.logits(torch.stack(list(images))), k)
-
-    def top_k(self, logits: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
-        probs = torch.from_numpy(logits).double().softmax(dim=1)
-        values, indices = probs.topk(min(k, self.num_classes), dim=1)
-        return [[{"class": self.class_names[i], "index": i, "prob": round(p, 6)}
-                 for p, i in zip(row_p.tolist(), row_i.tolist(), strict=True)]
-                for row_p, row_i in zip(values, indices, strict=True)]
-
-
-# An export's "task" picks the code that serves it; an export without one is an image
-# classifier's, as every export was before labrun exported language models (labrun.deploy.lm).
-CLASSIFICATION = "classification"
-REQUIRED_KEYS = {CLASSIFICATION: ("class_names", "image_size", "val_resize_ratio", "mean", "std"),
-                 "lm": ("vocab_size", "block_size", "tokenizer"),
-                 "segmentation": ("class_names", "image_size", "eval_size", "mean", "std")}
-
-
-def task_of(meta: dict[str, Any]) -> str:
-    return str(meta.get("task", CLASSIFICATION))
-
-
-def read_metadata(model_path: Path, task: str | None = CLASSIFICATION) -> dict[str, Any]:
+def read_metadata(model_path: Path, task: str | None = None) -> dict[str, Any]:
     """The metadata JSON beside an exported model, checked: an export of `task` (None: of any
-    task) that has the keys its task is served with."""
+    task) that has the keys its task's deploy module serves it with."""
     if not model_path.is_file():
         raise LabrunError(f"{model_path}: no such model file")
     path = metadata_path(model_path)
@@ -235,15 +174,12 @@ def read_metadata(model_path: Path, task: str | None = CLASSIFICATION) -> dict[s
                           f"export the model again") from None
     if not isinstance(meta, dict):
         raise LabrunError(f"{path}: metadata is not a JSON object; export the model again")
-    kind = task_of(meta)
-    if kind not in REQUIRED_KEYS:
-        raise LabrunError(f"{path}: unknown task {kind!r} (this labrun serves "
-                          f"{', '.join(REQUIRED_KEYS)}); export the model again")
-    if task is not None and kind != task:
-        raise LabrunError(f"{model_path} is an export of a task={kind} run, not task={task}: "
-                          f"image classifiers answer `labrun predict` and POST /predict, "
-                          f"language models (lm) POST /generate of `labrun serve`")
-    missing = [key for key in ("format", *REQUIRED_KEYS[kind]) if key not in meta]
+    deploy = hooks.of_metadata(meta, path)
+    if task is not None and deploy.TASK != task:
+        raise LabrunError(f"{model_path} is an export of a task={deploy.TASK} run, not "
+                          f"task={task}; `labrun serve` and `labrun predict` take an export of "
+                          f"any task")
+    missing = [key for key in ("format", *deploy.REQUIRED_KEYS) if key not in meta]
     if missing:
         raise LabrunError(f"{path}: metadata lacks {', '.join(missing)}; export the model again")
     if meta["format"] not in ("onnx", "torchscript"):

@@ -1,35 +1,34 @@
-"""`labrun serve MODEL`: an exported model behind FastAPI on uvicorn.
+"""`labrun serve MODEL`: an exported model behind FastAPI on uvicorn, its routes its task's.
 
-    POST /predict?k=5         multipart field `file`   -> {"top": [{"class", "index", "prob"}, ...]}
-    POST /predict/batch?k=5   multipart fields `files` -> {"results": [{"filename", "top"}, ...]}
-    GET  /health              {"status": "ok", ...}
-    GET  /metadata            the metadata JSON written by `labrun export`
-    GET  /metrics             Prometheus metrics, of all --workers (labrun.monitoring.serve_metrics)
+    GET  /health     {"status": "ok", "task", "format", "device", ...}
+    GET  /metadata   the metadata JSON written by `labrun export`
+    GET  /metrics    Prometheus metrics, of all --workers (labrun.monitoring.serve_metrics)
 
-A language model's export (task=lm) answers POST /generate instead of /predict (create_lm_app):
+and the routes of the model's task, which its deploy module adds (labrun.deploy.hooks):
 
-    POST /generate   JSON {"prompt", "max_tokens", "temperature", "seed"} -> {"text", "tokens",
-                     "token_ids", "prompt_tokens", "seed"}   (labrun.deploy.lm says how)
+    image classifier   POST /predict?k=5 (multipart field `file`) -> {"top": [{"class",
+                       "index", "prob"}, ...]}; POST /predict/batch (fields `files`) ->
+                       {"results": [{"filename", "top"}, ...]}      (labrun.tasks.classification)
+    segmentation       POST /predict -> {"mask": PNG of class indices, as base64, "fractions":
+                       {class: share of the pixels}}; /predict/batch  (labrun.tasks.segmentation)
+    language model     POST /generate JSON {"prompt", "max_tokens", "temperature", "seed"} ->
+                       {"text", "tokens", "token_ids", "prompt_tokens", "seed"} (labrun.tasks.lm)
 
-A segmentation model's export (task=segmentation) answers POST /predict with a mask instead
-(labrun.deploy.segmentation says how; /predict/batch: one such answer per file, with its filename):
-
-    POST /predict    multipart field `file` -> {"mask": PNG of class indices, as base64,
-                     "fractions": {class: share of the pixels}}
+A request for a route the server does not have is a 404 that says what it does answer.
 
 MODEL is an exported .onnx or .pt file (with its metadata JSON), a run folder or a checkpoint
-(exported to ONNX in a temp folder first). Preprocessing is labrun.deploy.runtime's, the same as
-validation. A bad request (no file, not an image, truncated, too big, a path as filename) gets a
-4xx answer with {"error": "..."} and never takes the server down. Request bodies stop at
---max-upload-mb, and a client that has not sent a whole request head within --header-timeout
-seconds is disconnected (HeaderDeadlineProtocol), so slow clients cannot hold every connection.
+(exported to ONNX in a temp folder first). A bad request (no file, not an image, truncated, too
+big, a path as filename) gets a 4xx answer with {"error": "..."} and never takes the server down.
+Request bodies stop at --max-upload-mb, and a client that has not sent a whole request head
+within --header-timeout seconds is disconnected (HeaderDeadlineProtocol), so slow clients cannot
+hold every connection.
 
-Dynamic batching: each request's image is decoded and preprocessed in the thread pool, then
-concurrent requests' images (those of /predict/batch too) share one model call of up to
---max-batch images, gathered for at most --max-delay-ms after the first (labrun.deploy.batching);
-the model runs in its own threads, off the event loop (on a CPU, one call per core plus one,
-each on one thread), and each caller gets its own answer.
-Each answer's X-Batch-Size header says how many images its model call took.
+What every task's routes share is the Server's: uploads decoded and prepared in the thread pool
+(the model's prepare), dynamic batching (concurrent requests' inputs share one model call of up
+to --max-batch, gathered for at most --max-delay-ms after the first: labrun.deploy.batching;
+each answer's X-Batch-Size header says how many inputs its model call took), model calls in
+their own threads, off the event loop (on a CPU, one call per core plus one, each on one
+thread), and a failed model call as its request's 5xx.
 """
 
 from __future__ import annotations
@@ -40,11 +39,9 @@ import ipaddress
 import logging
 import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Annotated, Any
+from typing import Any
 
-import numpy as np
-import torch
-from fastapi import FastAPI, File, HTTPException, Query, Request, Response, UploadFile
+from fastapi import FastAPI, HTTPException, Request, Response, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -53,9 +50,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from labrun.core import probes
 from labrun.core.errors import LabrunError, one_line
-from labrun.deploy import batching, lm, load
+from labrun.deploy import batching, hooks, load
 from labrun.deploy import runtime as inference
-from labrun.deploy.segmentation import Prepared, Segmenter
 from labrun.deploy.upload_limit import UploadLimit
 from labrun.monitoring import serve_metrics
 
@@ -74,7 +70,6 @@ HEADER_TIMEOUT_S = 10.0
 # running, and it starts by importing labrun.deploy.serve (torch, onnxruntime, FastAPI): 17 s
 # measured on a loaded 2-core machine, where the 5 s default restarted every worker forever.
 WORKER_HEALTHCHECK_TIMEOUT_S = 60
-TopK = Annotated[int, Query(ge=1, le=1000, description="how many classes to return")]
 ENV_MODEL, ENV_MAX_BYTES, ENV_CORES = ("LABRUN_SERVE_MODEL", "LABRUN_SERVE_MAX_UPLOAD_BYTES",
                                        "LABRUN_SERVE_CORES")
 ENV_HEADER_TIMEOUT = "LABRUN_SERVE_HEADER_TIMEOUT_S"
@@ -85,9 +80,8 @@ ENV_MODEL_CALLS = "LABRUN_SERVE_MODEL_CALLS"  # empty: batching.model_calls' def
 # On each answer: how many images the model call that answered it took (/predict/batch: one
 # number per file, in order), to see batching at work from a client.
 BATCH_SIZE_HEADER = "X-Batch-Size"
-# What a server answers with: an image classifier's Predictor, a LanguageModel (task=lm) or a
-# Segmenter (task=segmentation).
-ServedModel = inference.Predictor | lm.LanguageModel | Segmenter
+# What a server answers with: the served model its task's deploy module loads (hooks: load).
+ServedModel = Any
 
 
 def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1,
@@ -119,17 +113,10 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, worke
         if not is_loopback(host):
             log.warning("warning: binding %s: the server is reachable from other machines "
                         "and has no authentication", host)
-        if isinstance(predictor, lm.LanguageModel):
-            what = (f"language model, vocabulary {predictor.vocab_size}, window "
-                    f"{predictor.block_size} tokens")
-            routes = "POST /generate"
-        else:
-            what = f"{predictor.num_classes} classes, {meta['image_size']} px"
-            if isinstance(predictor, Segmenter):
-                what = f"segmentation, {what}, eval_size={meta['eval_size']}"
-            routes = "POST /predict, POST /predict/batch"
+        deploy = hooks.of_metadata(meta, predictor.model_path)
+        what, routes = deploy.describe(predictor), deploy.USAGE
         log.info("serving %s (%s, %s; %d model calls at once on the %s, %d intra-op thread%s "
-                 "each) on http://%s:%d  %s, GET /health, GET /metadata, GET /metrics", model,
+                 "each) on http://%s:%d  %s; GET /health, GET /metadata, GET /metrics", model,
                  meta["format"], what, calls, predictor.device.upper(), predictor.threads,
                  "" if predictor.threads == 1 else "s", host, port, routes)
         os.environ[ENV_HEADER_TIMEOUT] = str(header_timeout)  # for every worker process
@@ -243,28 +230,16 @@ def is_loopback(host: str) -> bool:
 
 def create_app(predictor: ServedModel, max_upload_bytes: int, *, max_batch: int = MAX_BATCH,
                max_delay_ms: float = MAX_DELAY_MS, model_calls: int = 1):
-    if isinstance(predictor, lm.LanguageModel):
-        return create_lm_app(predictor, max_upload_bytes, model_calls=model_calls)
-    # Every model call goes through the batcher, --max-batch 1 included (then one image a call).
-    # A segmenter's call stacks the images of each size (eval_size=fixed: one size, as here).
-    segmenter = isinstance(predictor, Segmenter)
-    run_batch = (predictor.masks if segmenter
-                 else lambda images: predictor.logits(torch.stack(images)))
-    batcher = batching.Batcher(run_batch, max_batch=max_batch, max_delay_ms=max_delay_ms,
-                               model_calls=model_calls)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        batcher.start()
-        yield
-        await batcher.close()  # after uvicorn has answered the requests in flight
-
-    app = new_app(predictor, lifespan)
+    """The app of any task's served model: what every server answers, and its task's routes."""
+    deploy = hooks.of_metadata(predictor.metadata, predictor.model_path)
+    server = Server(predictor, max_batch=max_batch, max_delay_ms=max_delay_ms,
+                    model_calls=model_calls)
+    app = new_app(predictor, server.lifespan, deploy.USAGE)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
         return {"status": "ok", "model": predictor.model_path.name,
-                "format": predictor.metadata["format"], "num_classes": predictor.num_classes,
+                "format": predictor.metadata["format"], **deploy.health(predictor),
                 "device": predictor.device, "model_calls": model_calls,
                 "threads_per_call": predictor.threads}
 
@@ -272,115 +247,84 @@ def create_app(predictor: ServedModel, max_upload_bytes: int, *, max_batch: int 
     def metadata() -> dict[str, Any]:
         return predictor.metadata
 
-    # Decoding and preprocessing run per request in the thread pool, where the decoders release
-    # the GIL, so concurrent requests use every core; a bad image fails its own request there,
-    # before the batcher sees it. The model call is the batcher's.
-    def prepare(uploads: list[UploadFile], fields: list[str]) -> list[Any]:
-        return [read_upload(predictor, upload, field)
-                for upload, field in zip(uploads, fields, strict=True)]
-
-    async def segment(prepared: list[Prepared], response: Response) -> list[dict[str, Any]]:
-        """Each image's mask (the batcher's model call), then its answer in the thread pool:
-        the mask back at its picture's size, as a PNG."""
-        answers = await infer(batcher.submit_many([p.image for p in prepared]))
-        response.headers[BATCH_SIZE_HEADER] = ",".join(str(size) for _, size in answers)
-        return await run_in_threadpool(lambda: [
-            predictor.answer(mask, p.size) for (mask, _), p in zip(answers, prepared, strict=True)])
-
-    @app.post("/predict")
-    async def predict(file: Annotated[UploadFile, File(description="the image")],
-                      response: Response, k: TopK = 5) -> dict[str, Any]:
-        images = await run_in_threadpool(prepare, [file], ["file"])
-        if segmenter:  # {"mask", "fractions"}
-            return (await segment(images, response))[0]
-        logits, batch_size = await infer(batcher.submit(images[0]))
-        response.headers[BATCH_SIZE_HEADER] = str(batch_size)
-        return {"top": predictor.top_k(logits[None], k)[0]}
-
-    @app.post("/predict/batch")
-    async def predict_batch(files: Annotated[list[UploadFile], File(description="the images")],
-                            response: Response, k: TopK = 5) -> dict[str, Any]:
-        if len(files) > MAX_BATCH_FILES:
-            raise HTTPException(413, f"{len(files)} files; send at most {MAX_BATCH_FILES} "
-                                     f"per batch")
-        images = await run_in_threadpool(prepare, files,
-                                         [f"files[{i}]" for i in range(len(files))])
-        if segmenter:
-            masks = await segment(images, response)
-            return {"results": [{"filename": f.filename, **answer}
-                                for f, answer in zip(files, masks, strict=True)]}
-        answers = await infer(batcher.submit_many(images))
-        response.headers[BATCH_SIZE_HEADER] = ",".join(str(size) for _, size in answers)
-        tops = predictor.top_k(np.stack([logits for logits, _ in answers]), k)
-        return {"results": [{"filename": f.filename, "top": top}
-                            for f, top in zip(files, tops, strict=True)]}
-
-    @app.post("/generate")
-    def generate() -> None:
-        what = "a segmentation model" if segmenter else "an image classifier"
-        raise HTTPException(404, f"this server serves {what}: POST /predict with "
-                                 "multipart field 'file'; /generate answers on a server of a "
-                                 "language model's export (task=lm)")
-
+    deploy.add_routes(app, predictor, server)
     return outer_layers(app, predictor, max_upload_bytes)
 
 
-def create_lm_app(model: lm.LanguageModel, max_upload_bytes: int, *, model_calls: int = 1):
-    """A language model's app: POST /generate, one request's tokens after one another.
+class Server:
+    """What a task's routes are built on (its deploy module's add_routes(app, model, server)).
 
-    No batching: each request's tokens depend on its previous ones, one model call each. A
-    request generates in a thread of its own, off the event loop, and at most `model_calls`
-    generate at once (each model call on the threads load_model gave it); the others wait."""
-    import anyio
+    Decoding and preprocessing run per request in the thread pool, where the decoders release
+    the GIL, so concurrent requests use every core; a bad upload fails its own request there,
+    before any model call. Model calls go through a batcher (batched inputs) or call_model
+    (one request's call, such as a language model's token after token), at most model_calls
+    at once, off the event loop."""
+
+    def __init__(self, model: ServedModel, *, max_batch: int, max_delay_ms: float,
+                 model_calls: int):
+        self.model = model
+        self.max_batch, self.max_delay_ms, self.model_calls = max_batch, max_delay_ms, model_calls
+        self.batchers: list[batching.Batcher] = []
+        self.limiter: Any = None  # call_model's, made in the server's event loop
+
+    def batcher(self, run_batch) -> batching.Batcher:
+        """A batcher of `run_batch` (a list of inputs -> their answers, in order), started and
+        closed with the server. Every call goes through it, --max-batch 1 included."""
+        batcher = batching.Batcher(run_batch, max_batch=self.max_batch,
+                                   max_delay_ms=self.max_delay_ms, model_calls=self.model_calls)
+        self.batchers.append(batcher)
+        return batcher
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
-        app.state.calls = anyio.CapacityLimiter(model_calls)  # made in the server's event loop
+    async def lifespan(self, app):
+        import anyio
+
+        self.limiter = anyio.CapacityLimiter(self.model_calls)
+        for batcher in self.batchers:
+            batcher.start()
         yield
+        for batcher in self.batchers:
+            await batcher.close()  # after uvicorn has answered the requests in flight
 
-    app = new_app(model, lifespan)
+    async def prepared(self, uploads: list[UploadFile], fields: list[str]) -> list[Any]:
+        """Each upload as the model's prepare() makes it, or a 400 naming the field."""
+        return await run_in_threadpool(lambda: [
+            read_upload(self.model, upload, field)
+            for upload, field in zip(uploads, fields, strict=True)])
 
-    @app.get("/health")
-    def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model.model_path.name, "task": lm.TASK,
-                "format": model.metadata["format"], "vocab_size": model.vocab_size,
-                "block_size": model.block_size, "device": model.device,
-                "model_calls": model_calls, "threads_per_call": model.threads}
+    async def batched(self, batcher: batching.Batcher, inputs: list[Any], response: Response
+                      ) -> list[Any]:
+        """Each input's answer from the batcher's model calls; the X-Batch-Size header says
+        how many inputs each call took (one number per input, in order)."""
+        answers = await infer(batcher.submit_many(inputs))
+        response.headers[BATCH_SIZE_HEADER] = ",".join(str(size) for _, size in answers)
+        return [answer for answer, _ in answers]
 
-    @app.get("/metadata")
-    def metadata() -> dict[str, Any]:
-        return model.metadata
+    async def call_model(self, function, *args) -> Any:
+        """function(*args) in a thread of its own, at most model_calls at once."""
+        import anyio
 
-    @app.post("/generate")
-    async def generate(request: Request) -> dict[str, Any]:
-        # The body is read and checked here rather than by a pydantic model, so that each bad
-        # body (not UTF-8, not JSON, a field missing or out of range) gets its own line.
-        try:
-            asked = lm.parse_request(await request.body())
-            return await anyio.to_thread.run_sync(model.generate, asked,
-                                                  limiter=request.app.state.calls)
-        except lm.RequestError as error:
-            raise HTTPException(error.status, str(error)) from None
-        except Exception as error:  # noqa: BLE001 - the model failed on this request
-            raise HTTPException(500, f"generation failed: {one_line(error)}") from None
+        return await anyio.to_thread.run_sync(function, *args, limiter=self.limiter)
 
-    @app.post("/predict")
-    @app.post("/predict/batch")
-    def predict() -> None:
-        raise HTTPException(404, "this server serves a language model (task=lm): POST "
-                                 f"/generate with a JSON body such as {lm.EXAMPLE_REQUEST}")
-
-    return outer_layers(app, model, max_upload_bytes)
+    @staticmethod
+    def check_batch(files: list[UploadFile]) -> None:
+        if len(files) > MAX_BATCH_FILES:
+            raise HTTPException(413, f"{len(files)} files; send at most {MAX_BATCH_FILES} "
+                                     f"per batch")
 
 
-def new_app(predictor: ServedModel, lifespan) -> FastAPI:
-    """A FastAPI app whose every error answer is {"error": "..."}."""
+def new_app(predictor: ServedModel, lifespan, usage: str) -> FastAPI:
+    """A FastAPI app whose every error answer is {"error": "..."}; a route it does not have
+    answers with `usage`, what it does answer."""
     app = FastAPI(title="labrun serve", version=str(predictor.metadata.get("versions", {})
                                                     .get("labrun", "")), lifespan=lifespan)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(error.detail)}, status_code=error.status_code)
+        detail = str(error.detail)
+        if error.status_code == 404 and "route" not in request.scope:  # no route matched
+            detail = f"no route {request.method} {request.url.path}: this server answers {usage}"
+        return JSONResponse({"error": detail}, status_code=error.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -406,8 +350,7 @@ async def infer(pending):
         raise HTTPException(500, f"inference failed: {one_line(error)}") from None
 
 
-def read_upload(predictor: inference.Predictor | Segmenter, upload: UploadFile, field: str
-                ) -> torch.Tensor | Prepared:
+def read_upload(predictor: ServedModel, upload: UploadFile, field: str) -> Any:
     """The upload's image, prepared for the model (its prepare), or a 400 naming it."""
     name = upload.filename or ""
     if is_path_like(name):

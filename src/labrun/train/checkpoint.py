@@ -60,6 +60,7 @@ class _AddedLater(TypedDict, total=False):
 
     log_window: LogWindow
     callbacks: dict[str, dict[str, Any]]  # each callback's state_dict(), by name
+    deploy: str | None  # the task's deploy module (labrun.deploy.hooks), None without one
 
 
 class CheckpointState(_AddedLater):

@@ -40,6 +40,8 @@ def capture(trainer: Trainer) -> CheckpointState:
         "wandb_run_id": trainer.tracker.run_id,
         "config": OmegaConf.to_container(trainer.cfg, resolve=True),
         **trainer.task.checkpoint_meta(),  # class_names for classification
+        # The task's deploy module, which export and serving import (labrun.deploy.hooks).
+        "deploy": getattr(trainer.task, "deploy", None),
         "labrun_version": labrun.__version__,
         "callbacks": {name: cb.state_dict() for name, cb in trainer.callbacks.items()},
     }

@@ -20,19 +20,23 @@ batch)`, timm's `TrainingTask`). A task is a class with:
     eval_sums(model, batch) -> 1-d tensor         per-batch sums, added up (and all-reduced)
     eval_metrics(sums, split) -> {SPLIT/NAME: value}
     checkpoint_meta() -> dict                     what a checkpoint must carry to be used
-                                                  alone (class names), and, for export and
-                                                  serving, its `task` (below)
+                                                  alone: class names; what its deploy module
+                                                  reads (a tokenizer, the data's sizes)
     units: dict[str, int]                         optional: what a sample holds, for
                                                   throughput: perf/UNIT_per_s beside
                                                   perf/samples_per_s ({"tokens": 256})
 
-Export and serving (labrun.deploy) read a checkpoint, never the task object: checkpoint_meta's
-`task` names the kind of model, which picks the code that exports it (example input, dynamic
-axes, parity check, metadata) and serves it (request in, answer out): "lm" is labrun.deploy.lm's
-(token ids in, next-token logits out; POST /generate), and a checkpoint without `task` is an
-image classifier's (labrun.deploy.export and runtime; POST /predict), which a task that
-subclasses Classification stays. Those hooks live in labrun.deploy because a served model has
-only its exported file and metadata: no config, no task class, no training code.
+    deploy: str                                   optional: the dotted path of the task's
+                                                  deploy module (below)
+
+Export, serving and `labrun predict` read a checkpoint, never the task object: the trainer
+records the task's `deploy` module in every checkpoint, and labrun.deploy imports it from there
+(labrun.deploy.hooks lists its hooks: what the exported model takes and returns, its parity
+check, its metadata, its HTTP routes, what `labrun predict` reads and writes). The built-in
+tasks' deploy modules are labrun.tasks.classification, .lm and .segmentation: they sit above
+labrun.deploy, which this module may not import (a served model has only its exported file and
+metadata: no config, no task class, no training code). A task without `deploy` trains as any
+other; `labrun export` refuses its runs in one line.
 
 The task's config (conf/task/NAME.yaml) also sets checkpoint.monitor and checkpoint.mode: what
 a run of it is judged by unless the command line says otherwise.
@@ -74,6 +78,7 @@ class Classification:
     # without building the task.
     metric_names = ("loss", "acc", "acc5")
     units = {"images": 1}  # perf/images_per_s
+    deploy = "labrun.tasks.classification"  # export, serving and predict (labrun.deploy.hooks)
     dense = False  # a label per image; Segmentation's are per pixel, its dataset's masks
 
     def __init__(self) -> None:
@@ -182,7 +187,7 @@ class Segmentation(Classification):
     the auxiliary head weighted 0.5 in the loss, as torchvision's reference recipe does)."""
 
     metric_names = ("loss", "miou", "pixel_acc")
-    deploy = "segmentation"  # checkpoint_meta's `task`: labrun.deploy's segmentation hooks
+    deploy = "labrun.tasks.segmentation"
     dense = True
     AUX_WEIGHT = 0.5
 
@@ -257,7 +262,7 @@ class Segmentation(Classification):
                 for name, value in zip(self.metric_names, values, strict=True)}
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {"task": self.deploy, "class_names": self.class_names,
+        return {"task": "segmentation", "class_names": self.class_names,
                 "ignore_index": self.ignore_index}
 
 
@@ -286,7 +291,7 @@ class LanguageModelling:
     IGNORE = -1
     num_sums = 3  # summed loss, tokens predicted right, tokens scored
     metric_names = ("loss", "ppl", "acc")
-    deploy = "lm"  # checkpoint_meta's `task`: labrun.deploy.lm exports and serves the model
+    deploy = "labrun.tasks.lm"
 
     def __init__(self) -> None:
         self.tokenizer: dict[str, Any] = {}
@@ -404,8 +409,7 @@ class LanguageModelling:
         # class_names stays (empty): status reads it at the top level. The rest is what export
         # and serving need with the checkpoint alone: the model's sizes (build_model's info)
         # and the tokenizer, a `tokenizers` file's JSON text included (data.tokens.tokenizer_info).
-        return {"task": self.deploy, "class_names": [], **self.sizes,
-                "tokenizer": self.tokenizer}
+        return {"task": "lm", "class_names": [], **self.sizes, "tokenizer": self.tokenizer}
 
 
 def _tokenizer_name(tokenizer: dict[str, Any]) -> str:

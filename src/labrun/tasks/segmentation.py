@@ -1,8 +1,7 @@
-"""A segmentation model's export and serving (task=segmentation): the parts that differ from an
-image classifier's, chosen by a checkpoint's or an export's `task` ("segmentation", which
-labrun.train.task.Segmentation.checkpoint_meta writes).
+"""A segmentation model's life after training (labrun.train.task.Segmentation's deploy hooks,
+labrun.deploy.hooks): what its export takes and returns, how it is served and predicted.
 
-    export   plan            what labrun.deploy.export needs of this kind of model:
+    export   export_plan     normalised float NCHW in, per-pixel logits out:
              INPUT_AXES      batch, height and width stay dynamic (the logits' axes 0, 2, 3 too)
              example_input   a normalised batch to trace with, image_size x image_size
              parity_images   the run's val images as its val loader made them (SegData's
@@ -17,8 +16,12 @@ labrun.train.task.Segmentation.checkpoint_meta writes).
                              image's own size out, and the share of pixels of each class
              mask_png        a palette PNG: its pixels are class indices, shown in colours
              overlay_png     the image with each pixel tinted by its class's colour
-
-    POST /predict (multipart field `file`) -> {"mask": base64 PNG, "fractions": {class: share}}
+             add_routes      POST /predict (multipart field `file`) -> {"mask": base64 PNG,
+                             "fractions": {class: share}}; /predict/batch (fields `files`):
+                             one such answer per file, with its filename
+    predict  IMAGE_OR_DIR... --out DIR: DIR/<stem>.png (the mask: a palette PNG of class
+             indices, at the image's size) and DIR/<stem>_overlay.png of each image, and a line
+             `path  class share ...`; DIR must be none of the images' own folders
 
 eval_size=fixed (validation resized each image whole to image_size x image_size): the model sees
 that, and its mask is resized back to the image's size by nearest-exact, which keeps class
@@ -33,23 +36,29 @@ import io
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
+from fastapi import File, Response, UploadFile
 from PIL import Image
 
 from labrun.config.dataset_schema import SegmentationDatasetConfig
 from labrun.core.errors import LabrunError, one_line
 from labrun.data.image import decode as data_decode
 from labrun.data.image.transforms import as_rgb, normalize_on_device, resize_region
+from labrun.deploy import predict as predicting
 from labrun.deploy import runtime
+from labrun.deploy.export import Plan, Target, build_data, build_model
 from labrun.train.task import logits_of
 
 log = logging.getLogger(__name__)
 
 TASK = "segmentation"
+REQUIRED_KEYS = ("class_names", "image_size", "eval_size", "mean", "std")
+USAGE = ("POST /predict with multipart field 'file' (POST /predict/batch: fields 'files'), "
+         "for a mask")
 # The input's dynamic axes, with their largest size (none); the logits follow axes 0, 2 and 3.
 INPUT_AXES: dict[int, tuple[str, int | None]] = {0: ("batch", None), 2: ("height", None),
                                                  3: ("width", None)}
@@ -88,24 +97,21 @@ def settings(dataset: dict[str, Any]) -> dict[str, Any]:
             "decoder": str(dataset.get("decoder", "turbojpeg"))}
 
 
-def plan(state: dict[str, Any], checkpoint: Path, check_data: str | None, fmt: str,
-         dtype: torch.dtype, device: str, *, build: Callable[..., torch.nn.Module],
-         tolerance: float) -> dict[str, Any]:
-    """labrun.deploy.export's Plan fields for a segmentation checkpoint: normalised float NCHW
-    in, per-pixel logits out; `build` is export's build_model, `tolerance` its TOLERANCE for
-    the exported dtype."""
+def export_plan(state: dict[str, Any], checkpoint: Path, target: Target) -> Plan:
+    """Normalised float NCHW in, per-pixel logits out, batch, height and width dynamic;
+    checked on the run's val images and an odd size."""
     sizes = {"num_classes": len(state["class_names"])}
-    model = LogitsOnly(build(state["config"], sizes, state["model"], checkpoint)).eval()
+    model = LogitsOnly(build_model(state["config"], sizes, state["model"], checkpoint)).eval()
     meta = metadata(state)
     check = None
-    if check_data is not None:
-        images = parity_images(state["config"].get("dataset", {}), meta, check_data)
+    if target.check_data is not None:
+        images = parity_images(state["config"].get("dataset", {}), meta, target.check_data)
 
         def check(path: Path, reference: torch.nn.Module) -> dict[str, Any]:
-            return parity(path, fmt, reference, images, meta, tolerance, dtype, device)
+            return parity(path, target, reference, images, meta)
 
-    return {"model": model, "example": example_input(meta["image_size"], device, dtype),
-            "axes": INPUT_AXES, "check": check, "report": report_parity, "metadata": meta}
+    return Plan(model, example_input(meta["image_size"], target.device, target.dtype),
+                INPUT_AXES, check, report_parity, meta)
 
 
 def example_input(size: int, device: str, dtype: torch.dtype) -> torch.Tensor:
@@ -134,14 +140,7 @@ def parity_images(dataset: dict[str, Any], meta: dict[str, Any], data: str
 def validation_images(dataset: dict[str, Any]) -> tuple[list[torch.Tensor], str]:
     """Validation images spread over the split, through the run's own data (SegData): the same
     source, decoder and eval transform (JointEval) as its val loader."""
-    from omegaconf import OmegaConf
-
-    from labrun import data
-
-    cfg = OmegaConf.create(dataset)
-    if "download" in cfg:
-        cfg.download = False  # never reach for the network in an export
-    built = data.build(cfg)
+    built = build_data(dataset)
     source, transform = built.splits["val"], built.transform("val")
     indices = np.unique(np.linspace(0, len(source) - 1, PARITY_IMAGES).round().astype(int))
     images = [transform(*source.open(int(i)))[0] for i in indices]
@@ -156,16 +155,16 @@ def odd_size(image: torch.Tensor, size: int) -> torch.Tensor:
     return resized.round().clamp(0, 255).to(torch.uint8)
 
 
-def parity(path: Path, fmt: str, reference: torch.nn.Module,
-           images: tuple[list[torch.Tensor], str], meta: dict[str, Any], tolerance: float,
-           dtype: torch.dtype, device: str) -> dict[str, Any]:
+def parity(path: Path, target: Target, reference: torch.nn.Module,
+           images: tuple[list[torch.Tensor], str], meta: dict[str, Any]) -> dict[str, Any]:
     """The exported file in its own runtime against the eager fp32 model: the images of each
     size as one batch, and one image alone at an odd, non-square size (which proves the batch,
     height and width axes dynamic: a traced or exported constant would fail it).
 
-    `tolerance` is relative to the largest eager logit (at least 1)."""
+    The tolerance is relative to the largest eager logit (at least 1)."""
     pictures, images_from = images
-    run = (runtime.onnx_runtime if fmt == "onnx" else runtime.torchscript_runtime)(path)
+    run = target.runtime(path)
+    device, dtype = target.device, target.dtype
     mean = torch.tensor(meta["mean"], device=device).view(1, -1, 1, 1)
     std = torch.tensor(meta["std"], device=device).view(1, -1, 1, 1)
     by_size: dict[tuple[int, ...], list[torch.Tensor]] = {}
@@ -182,7 +181,7 @@ def parity(path: Path, fmt: str, reference: torch.nn.Module,
         if exported.shape != eager.shape:
             raise LabrunError(f"the exported model's logits for input {list(batch.shape)} are "
                               f"{list(exported.shape)}, eager PyTorch's {list(eager.shape)}")
-        allowed = max(allowed, tolerance * max(1.0, eager.abs().max().item()))
+        allowed = max(allowed, target.tolerance * max(1.0, eager.abs().max().item()))
         diff = max(diff, (exported - eager).abs().max().item())
         agree += int((exported.argmax(1) == eager.argmax(1)).sum())
         pixels += eager[:, 0].numel()
@@ -211,8 +210,7 @@ def metadata(state: dict[str, Any]) -> dict[str, Any]:
     """What the export's metadata carries for serving, beside the keys every export has."""
     class_names = list(state["class_names"])
     prep = settings(state["config"].get("dataset", {}))
-    return {"task": TASK,
-            "input": {"name": "input", "shape": ["batch", 3, "height", "width"],
+    return {"input": {"name": "input", "shape": ["batch", 3, "height", "width"],
                       "layout": "NCHW", "values": "(uint8 / 255 - mean) / std"},
             "output": {"name": "logits", "shape": ["batch", len(class_names), "height", "width"],
                        "values": "per-pixel class logits at the input's height and width"},
@@ -266,9 +264,7 @@ class Segmenter:
         # The classes' colours, then VOC's for the other indices a palette PNG has.
         colours = list(meta.get("palette") or palette(self.num_classes))
         self.colours = np.array(colours + palette(256)[len(colours):], dtype=np.uint8)
-        make_runtime = (runtime.onnx_runtime if meta["format"] == "onnx"
-                        else runtime.torchscript_runtime)
-        self.runtime = make_runtime(self.model_path, threads)
+        self.runtime = runtime.open_runtime(self.model_path, meta["format"], threads)
         # One real inference now: a model that cannot run fails at start-up, not per request.
         size = int(meta["image_size"])
         self.masks([torch.zeros(3, size, size, dtype=torch.uint8)])
@@ -363,3 +359,109 @@ def overlay_png(pixels: np.ndarray, mask: np.ndarray, colours: np.ndarray) -> by
     buffer = io.BytesIO()
     Image.fromarray(blended.round().astype(np.uint8)).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def load(path: Path, threads: int | None = None) -> Segmenter:
+    return Segmenter(path, threads)
+
+
+def describe(segmenter: Segmenter) -> str:
+    return (f"segmentation, {segmenter.num_classes} classes, "
+            f"{segmenter.metadata['image_size']} px, eval_size={segmenter.metadata['eval_size']}")
+
+
+def health(segmenter: Segmenter) -> dict[str, Any]:
+    return {"num_classes": segmenter.num_classes}
+
+
+def add_routes(app, segmenter: Segmenter, server) -> None:
+    # The batcher's call stacks the images of each size (eval_size=fixed: one size).
+    batcher = server.batcher(segmenter.masks)
+
+    async def answers(prepared: list[Prepared], response: Response) -> list[dict[str, Any]]:
+        """Each image's mask (the batcher's model call), then its answer in the thread pool:
+        the mask back at its picture's size, as a PNG."""
+        from starlette.concurrency import run_in_threadpool
+
+        masks = await server.batched(batcher, [p.image for p in prepared], response)
+        return await run_in_threadpool(lambda: [
+            segmenter.answer(mask, p.size) for mask, p in zip(masks, prepared, strict=True)])
+
+    @app.post("/predict")
+    async def predict(file: Annotated[UploadFile, File(description="the image")],
+                      response: Response) -> dict[str, Any]:
+        return (await answers(await server.prepared([file], ["file"]), response))[0]
+
+    @app.post("/predict/batch")
+    async def predict_batch(files: Annotated[list[UploadFile], File(description="the images")],
+                            response: Response) -> dict[str, Any]:
+        server.check_batch(files)
+        prepared = await server.prepared(files, [f"files[{i}]" for i in range(len(files))])
+        return {"results": [{"filename": f.filename, **answer} for f, answer
+                            in zip(files, await answers(prepared, response), strict=True)]}
+
+
+# ---------------------------------------------------------------------------------------------
+# labrun predict
+
+
+def predict_arguments(parser) -> None:
+    parser.add_argument("inputs", nargs="+", type=Path, metavar="IMAGE_OR_DIR",
+                        help="image files, or folders searched recursively for images")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="where the masks go: DIR/<stem>.png (class indices) and "
+                             "DIR/<stem>_overlay.png; not the images' own folder")
+    parser.add_argument("--batch-size", type=int, default=32)
+
+
+def predict(args, open_model: Callable[[], Segmenter]) -> int:
+    """OUT/<stem>.png and OUT/<stem>_overlay.png of each image, a line of its classes' shares
+    printed; 1 when an image was skipped."""
+    if args.batch_size < 1:
+        raise LabrunError("--batch-size must be 1 or more")
+    out = args.out
+    if out is None:
+        raise LabrunError("a segmentation model writes mask PNGs: add --out DIR (a folder "
+                          "other than the images' own)")
+    paths = predicting.image_files(args.inputs)
+    check_out(out, args.inputs, paths)  # before the model loads and anything is written
+    segmenter = open_model()
+    out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for start in range(0, len(paths), args.batch_size):
+        prepared = []
+        for path in paths[start:start + args.batch_size]:
+            image = predicting.read_input(path, segmenter.prepare)
+            if image is None:
+                failed += 1
+            else:
+                prepared.append((path, image))
+        masks = segmenter.masks([p.image for _, p in prepared]) if prepared else []
+        for (path, image), mask in zip(prepared, masks, strict=True):
+            mask = segmenter.restore(mask, image.size)
+            (out / f"{path.stem}.png").write_bytes(segmenter.mask_png(mask))
+            (out / f"{path.stem}_overlay.png").write_bytes(
+                segmenter.overlay_png(image.picture, mask))
+            print(f"{path}  " + "  ".join(f"{name} {share:.4f}" for name, share
+                                          in segmenter.fractions(mask).items()))
+    log.info("%d images segmented, %d skipped -> %s", len(paths) - failed, failed, out)
+    return 1 if failed else 0
+
+
+def check_out(out: Path, inputs: list[Path], paths: list[Path]) -> None:
+    """Refuse an --out that is an image's own folder (or a folder given), or that would get two
+    files of one name (the same stem in two folders)."""
+    folders = {path.parent.resolve() for path in paths}
+    folders |= {item.resolve() for item in inputs if item.is_dir()}
+    if out.resolve() in folders:
+        raise LabrunError(f"--out {out} is a folder of the input images; masks never go among "
+                          f"them: give another folder, such as {out.parent / (out.name + '-masks')}")
+    if out.exists() and not out.is_dir():
+        raise LabrunError(f"--out {out} is a file; give a folder (it is made if missing)")
+    stems: dict[str, Path] = {}
+    for path in paths:
+        for name in (path.stem, f"{path.stem}_overlay"):
+            if name in stems:
+                raise LabrunError(f"{stems[name]} and {path} would both write {out / name}.png; "
+                                  f"predict them into separate --out folders")
+        stems[path.stem] = stems[f"{path.stem}_overlay"] = path

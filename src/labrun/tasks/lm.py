@@ -1,16 +1,17 @@
-"""A language model's export and serving (task=lm): the parts that differ from an image
-classifier's, chosen by a checkpoint's or an export's `task` ("lm", which
-labrun.train.task.LanguageModelling.checkpoint_meta writes).
+"""A language model's life after training (labrun.train.task.LanguageModelling's deploy hooks,
+labrun.deploy.hooks): what its export takes and returns, and how it is served.
 
-    export   input_axes      batch and sequence (1 to block_size) stay dynamic
-             example_input   token ids to trace with
+    export   export_plan     token ids in, next-token logits out; the batch and the sequence
+                             (1 to block_size) dynamic
              parity_windows  windows of the run's val tokens (or seeded random ids)
              parity          exported vs eager logits at two batch sizes and two lengths
-             metadata        task, vocab_size, block_size, the tokenizer (a `tokenizers`
-                             file's JSON text included): what serving needs, with nothing else
+             metadata        vocab_size, block_size, the tokenizer (a `tokenizers` file's JSON
+                             text included): what serving needs, with nothing else
     serving  parse_request   a POST /generate body -> Request, or RequestError (a 4xx)
              LanguageModel   the exported file in its runtime, with its tokenizer:
                              generate(Request) -> the answer
+             add_routes      POST /generate
+    predict  none: a continuation is asked of `labrun serve`
 
     POST /generate {"prompt": "def ", "max_tokens": 64, "temperature": 0.8, "seed": 1}
       -> {"text": "...", "tokens": 64, "token_ids": [...], "prompt_tokens": 4, "seed": 1}
@@ -28,31 +29,55 @@ import json
 import logging
 import math
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
 import torch
+from fastapi import HTTPException
+from fastapi import Request as HTTPRequest
 
 from labrun.core.errors import LabrunError, one_line
 from labrun.data import tokens
 from labrun.deploy import runtime
+from labrun.deploy.export import Plan, Target, build_model
 
 log = logging.getLogger(__name__)
 
 TASK = "lm"
+REQUIRED_KEYS = ("vocab_size", "block_size", "tokenizer")
 # Tokens one request may ask for: each costs one model call over the whole window, so this
 # bounds the time a request holds a model call (1,024 x a 256-token window on a CPU: seconds).
 MAX_TOKENS = 1024
 DEFAULT_TEMPERATURE = 1.0
 PARITY_WINDOWS = 16
 EXAMPLE_REQUEST = '{"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0.8, "seed": 1}'
+USAGE = f"POST /generate with a JSON body such as {EXAMPLE_REQUEST}"
 
 
 # ---------------------------------------------------------------------------------------------
 # Export
+
+
+def export_plan(state: dict[str, Any], checkpoint: Path, target: Target) -> Plan:
+    """Token ids in, next-token logits out, batch and sequence dynamic; checked on windows of
+    the run's val tokens."""
+    model_sizes = sizes(state, checkpoint)
+    model = build_model(state["config"], model_sizes, state["model"], checkpoint)
+    check = None
+    if target.check_data is not None:
+        windows = parity_windows(state["config"].get("dataset", {}), model_sizes,
+                                 target.check_data)
+
+        def check(path: Path, reference: torch.nn.Module) -> dict[str, Any]:
+            return parity(path, target, reference, windows)
+
+    with torch.inference_mode():  # the model's own config may pad the vocabulary
+        logits_size = model(example_input(model_sizes, "cpu")[:1, :1]).shape[-1]
+    return Plan(model, example_input(model_sizes, target.device),
+                input_axes(model_sizes["block_size"]), check, report_parity,
+                metadata(state, logits_size))
 
 
 def sizes(state: dict[str, Any], checkpoint: Path) -> dict[str, int]:
@@ -105,34 +130,38 @@ def parity_windows(dataset: dict[str, Any], model_sizes: dict[str, int], data: s
     return windows, f"{PARITY_WINDOWS} random windows ({reason})"
 
 
-def parity(path: Path, fmt: str, reference: torch.nn.Module,
-           windows: tuple[torch.Tensor, str], tolerance: float, device: str) -> dict[str, Any]:
+def parity(path: Path, target: Target, reference: torch.nn.Module,
+           windows: tuple[torch.Tensor, str]) -> dict[str, Any]:
     """The exported file in its own runtime against the eager fp32 model: every window whole,
     and the first one alone cut to half its length. Two batch sizes and two lengths prove
     both axes dynamic (a traced or exported constant would fail one of them).
 
-    `tolerance` is relative to the largest eager logit (at least 1); a next-token flip counts
-    only where the eager top two are further apart than twice what it allows."""
+    The tolerance is relative to the largest eager logit (at least 1); a next-token flip
+    counts only where the eager top two are further apart than twice what it allows."""
     batch, windows_from = windows
-    run = (runtime.onnx_runtime if fmt == "onnx" else runtime.torchscript_runtime)(path)
+    run = target.runtime(path)
     half = max(1, batch.shape[1] // 2)
     shapes = [tuple(batch.shape), (1, half)]
     diff, allowed, agree, mismatches, positions = 0.0, 0.0, 0, 0, 0
     for ids in (batch, batch[:1, :half]):
         with torch.inference_mode():
-            eager = reference(ids.to(device)).float().cpu()
+            eager = reference(ids.to(target.device)).float().cpu()
         exported = torch.from_numpy(run(ids.numpy()))
-        allowed = max(allowed, tolerance * max(1.0, eager.abs().max().item()))
+        allowed = max(allowed, target.tolerance * max(1.0, eager.abs().max().item()))
         diff = max(diff, (exported - eager).abs().max().item())
         top2 = eager.topk(min(2, eager.shape[-1]), dim=-1).values
         differs = exported.argmax(-1) != eager.argmax(-1)
         mismatches += int((differs & (top2[..., 0] - top2[..., -1] > 2 * allowed)).sum())
         agree += int((~differs).sum())
         positions += differs.numel()
+    passed = diff <= allowed and mismatches == 0
     return {"windows": len(batch), "windows_from": windows_from,
             "shapes": [list(shape) for shape in shapes], "max_abs_diff": diff,
             "tolerance": allowed, "top1_agree": agree, "positions": positions,
-            "top1_mismatches": mismatches, "passed": diff <= allowed and mismatches == 0}
+            "top1_mismatches": mismatches, "passed": passed,
+            "failure": None if passed else (
+                f"parity check failed: max abs diff {diff:.2e} > {allowed:.2e} or the next "
+                f"token differs at {mismatches} token position(s)")}
 
 
 def report_parity(check: dict[str, Any], exporter: str) -> None:
@@ -150,8 +179,7 @@ def metadata(state: dict[str, Any], logits_size: int) -> dict[str, Any]:
     on); a model whose config fixes larger ones (model.vocab_size padded, model.block_size)
     gives `logits_size` logits, and positions never trained beyond the window."""
     vocab, block = int(state["vocab_size"]), int(state["block_size"])
-    return {"task": TASK,
-            "input": {"name": "input", "shape": ["batch", "sequence"], "dtype": "int64",
+    return {"input": {"name": "input", "shape": ["batch", "sequence"], "dtype": "int64",
                       "values": f"token ids; sequence from 1 to block_size ({block})"},
             "output": {"name": "logits", "shape": ["batch", "sequence", logits_size],
                        "values": "the next token's logits at each position"},
@@ -255,9 +283,7 @@ class LanguageModel:
         self.vocab_size = int(self.metadata["vocab_size"])
         self.block_size = int(self.metadata["block_size"])
         self.codec = tokens.codec(self.metadata["tokenizer"])
-        make_runtime = (runtime.onnx_runtime if self.metadata["format"] == "onnx"
-                        else runtime.torchscript_runtime)
-        self.runtime: Callable[[np.ndarray], np.ndarray] = make_runtime(self.model_path, threads)
+        self.runtime = runtime.open_runtime(self.model_path, self.metadata["format"], threads)
         # One real inference now: a model that cannot run fails at start-up, not per request.
         self.next_logits([0])
 
@@ -286,3 +312,36 @@ class LanguageModel:
             window = [*window, token][-self.block_size:]  # nanoGPT's crop
         return {"text": self.codec.decode(new), "tokens": len(new), "token_ids": new,
                 "prompt_tokens": len(prompt), "seed": seed}
+
+
+def load(path: Path, threads: int | None = None) -> LanguageModel:
+    return LanguageModel(path, threads)
+
+
+def describe(model: LanguageModel) -> str:
+    return (f"language model, vocabulary {model.vocab_size}, window {model.block_size} "
+            f"tokens")
+
+
+def health(model: LanguageModel) -> dict[str, Any]:
+    return {"task": TASK, "vocab_size": model.vocab_size, "block_size": model.block_size}
+
+
+def add_routes(app, model: LanguageModel, server) -> None:
+    """POST /generate, one request's tokens after one another.
+
+    No batching: each request's tokens depend on its previous ones, one model call each. A
+    request generates in a thread of its own, off the event loop, and at most `model_calls`
+    generate at once (each model call on the threads the server gave it); the others wait."""
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest) -> dict[str, Any]:
+        # The body is read and checked here rather than by a pydantic model, so that each bad
+        # body (not UTF-8, not JSON, a field missing or out of range) gets its own line.
+        try:
+            asked = parse_request(await request.body())
+            return await server.call_model(model.generate, asked)
+        except RequestError as error:
+            raise HTTPException(error.status, str(error)) from None
+        except Exception as error:  # noqa: BLE001 - the model failed on this request
+            raise HTTPException(500, f"generation failed: {one_line(error)}") from None
