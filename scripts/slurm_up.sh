@@ -10,6 +10,7 @@
 #     default account).
 #
 #   bash scripts/slurm_up.sh        # idempotent; exits 0 quickly if the cluster is already healthy
+#   bash scripts/slurm_up.sh --check  # exit 0 if it is up and healthy, 1 if not; changes nothing
 #   bash scripts/slurm_down.sh      # stops every daemon by PID, removes namespaces and state
 #
 # No systemd here: this script installs the packages (Debian 12: Slurm 22.05, MariaDB, munge),
@@ -103,6 +104,15 @@ healthy() {
     all_nodes_usable || return 1
     timeout 10 sacct -n -X -S now >/dev/null 2>&1 || return 1
 }
+# already_up: this script's cluster runs and is healthy (what `--check` answers).
+already_up() { [ -d "$STATE/pids" ] && command -v sinfo >/dev/null && healthy; }
+
+# --check: asked by scripts/test.sh and bench.sh before they bring the cluster up, so that at
+# exit they stop only a cluster they started, never one a `make test` beside them is using.
+if [ "${1:-}" = --check ]; then
+    if already_up; then exit 0; fi
+    exit 1
+fi
 
 summary() {
     echo "slurm_up: cluster labrun UP: nodes=${NODES[*]} (each $NODE_CPUS CPUs, ${NODE_MEM_MB}MB," \
@@ -181,7 +191,7 @@ reset_max_array_size() {
     restart_controller
     log "MaxArraySize is SLURM's default again (a test had changed it)"
 }
-if [ -d "$STATE/pids" ] && command -v sinfo >/dev/null && healthy; then
+if already_up; then
     reset_max_array_size
     summary
     exit 0

@@ -16,8 +16,11 @@ if [ "${LABRUN_NO_SLURM:-0}" != 1 ]; then
     # Their errors, if any, are the last thing printed; set -e ends the run with the exit code.
     # The image the container tests run their jobs in (built once, then cached by name):
     bash scripts/container_image.sh >/dev/null
+    # Stopped at exit only if this run starts it: a cluster already up is someone else's (a
+    # `make bench` or another `make test` beside this one). The bring-up reports its own errors.
+    if bash scripts/slurm_up.sh --check >/dev/null 2>&1; then was_up=1; else was_up=0; fi
     bash scripts/slurm_up.sh
-    cluster_started=1
+    [ "$was_up" = 1 ] || cluster_started=1
 fi
 cleanup() { [ "$cluster_started" = 1 ] && bash scripts/slurm_down.sh >/dev/null 2>&1 || true; }
 trap cleanup EXIT

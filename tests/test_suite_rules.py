@@ -58,14 +58,16 @@ def test_a_files_tests_stay_on_one_xdist_worker():
 
 def fake_project(tmp_path: Path, slurm_up: str,
                  container_image: str = "echo localhost/labrun-test:bookworm\n") -> Path:
-    """A copy of scripts/test.sh beside a stand-in slurm_up.sh, container_image.sh,
-    slurm_down.sh and a .venv python that records that pytest was started, so the script's own
-    logic runs for real without touching the machine's cluster or podman's images."""
+    """A copy of scripts/test.sh and bench.sh beside a stand-in slurm_up.sh,
+    container_image.sh, slurm_down.sh (which records that it ran, in slurm-down-ran) and a .venv
+    python that records that pytest was started, so the scripts' own logic runs for real without
+    touching the machine's cluster or podman's images."""
     (tmp_path / "scripts").mkdir()
-    shutil.copy(PROJECT / "scripts" / "test.sh", tmp_path / "scripts" / "test.sh")
+    for script in ("test.sh", "bench.sh"):
+        shutil.copy(PROJECT / "scripts" / script, tmp_path / "scripts" / script)
     (tmp_path / "scripts" / "slurm_up.sh").write_text(slurm_up)
     (tmp_path / "scripts" / "container_image.sh").write_text(container_image)
-    (tmp_path / "scripts" / "slurm_down.sh").write_text("exit 0\n")
+    (tmp_path / "scripts" / "slurm_down.sh").write_text(f"echo down > {tmp_path}/slurm-down-ran\n")
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     python = tmp_path / ".venv" / "bin" / "python"
     python.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/pytest-ran\n")
@@ -101,6 +103,23 @@ def test_a_good_bring_up_runs_pytest_with_durations(tmp_path):
     assert (project / "pytest-ran").read_text().split() == ["-m", "pytest", "-n", "2", "--dist",
                                                             "loadgroup", "--durations=25",
                                                             "-k", "x"]
+
+
+@pytest.mark.parametrize("script", ["test.sh", "bench.sh"])
+@pytest.mark.parametrize("already_up", [True, False], ids=["already up", "not up"])
+def test_make_test_and_make_bench_stop_only_a_cluster_they_started(tmp_path, script, already_up):
+    """A `make bench` beside a running `make test` (or the other way round) found the cluster
+    up, and stopped it at exit under the other. Each asks `slurm_up.sh --check` first."""
+    if os.geteuid() != 0:
+        pytest.skip("the scripts bring the cluster up only as root (CI runs as root)")
+    check = 0 if already_up else 1
+    project = fake_project(tmp_path, f'[ "${{1:-}}" = --check ] && exit {check}\n'
+                                     f'echo up >> {tmp_path}/slurm-up-ran\n')
+    result = subprocess.run(["bash", f"scripts/{script}"], cwd=project, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "LABRUN_NO_SLURM": "0"})
+    assert result.returncode == 0, result.stderr
+    assert (project / "slurm-up-ran").read_text() == "up\n"  # brought up (or checked) once
+    assert (project / "slurm-down-ran").exists() is not already_up
 
 
 def test_without_root_make_test_refuses_in_one_line_unless_told_to_skip_slurm(tmp_path):
