@@ -8,7 +8,7 @@ INSTALLED := pyproject.toml constraints.txt setup.py src/labrun/data/image/_jpeg
 TRAIN_STAMP := $(VENV)/.installed-train
 TEST_STAMP  := $(VENV)/.installed-test
 
-.PHONY: train test bench lint clean
+.PHONY: train test bench lint wheel clean
 
 $(TRAIN_STAMP): $(INSTALLED)
 	bash scripts/setup.sh train
@@ -30,5 +30,8 @@ lint: $(TRAIN_STAMP)
 	$(VENV)/bin/labrun configs check
 	$(VENV)/bin/lint-imports
 
+wheel: $(TEST_STAMP)   ## labrun's wheel, configs inside, into dist/ (its version from git)
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun .pytest_cache dist

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from labrun.core.project import LABRUN_CONF
+
 PROJECT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 LABRUN = str(Path(PYTHON).with_name("labrun"))
@@ -263,7 +265,7 @@ def composed(tmp_path):
 
     config.register()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
         yield lambda *o: compose("train", overrides=[f"paths.run_dir={tmp_path}/run", *o])
 
 

@@ -18,8 +18,9 @@ from conftest import PROJECT, PYTHON, run_train
 from labrun.cli.hydra_app import user_error_message
 from labrun.config import schema as config
 from labrun.config import validation
+from labrun.core.project import LABRUN_CONF
 
-CONF = PROJECT / "conf"
+CONF = LABRUN_CONF
 GROUPS = ["dataset", "model", "optimizer", "schedule", "precision", "cluster", "logger",
           "experiment"]
 # Options that need a path or a name before they can validate.

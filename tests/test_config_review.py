@@ -14,6 +14,7 @@ import yaml
 
 from conftest import PROJECT
 from labrun import cli
+from labrun.core.project import LABRUN_CONF
 from labrun.core.secrets import REDACTED
 from labrun.review.review import _changes, review
 from labrun.review.review_render import MARKER, markdown
@@ -21,7 +22,7 @@ from labrun.review.review_render import MARKER, markdown
 # What a review composes: the defaults, every preset in conf/experiment/, and the override list
 # the fixture writes into conf/review.yaml.
 EXPERIMENTS = ["defaults", *(f"experiment={path.stem}"
-                             for path in sorted((PROJECT / "conf" / "experiment").glob("*.yaml"))),
+                             for path in sorted((LABRUN_CONF / "experiment").glob("*.yaml"))),
                "lr_sweep"]
 N = len(EXPERIMENTS)
 
@@ -47,7 +48,7 @@ def commit(repo: Path, message: str) -> None:
 def repo(tmp_path_factory) -> Path:
     """Commits: the copy (with an override list in conf/review.yaml), then one per change."""
     repo = tmp_path_factory.mktemp("review") / "project"
-    shutil.copytree(PROJECT / "conf", repo / "conf",
+    shutil.copytree(LABRUN_CONF, repo / "conf",
                     ignore=shutil.ignore_patterns("local", "review.yaml", "__pycache__"))
     shutil.copytree(PROJECT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "conf" / "review.yaml").write_text(

@@ -23,8 +23,9 @@ from omegaconf import OmegaConf
 from conftest import LABRUN, PROJECT, PYTHON, read_summary, run_labrun, run_train
 from labrun.cli.hydra_app import user_error_message
 from labrun.config import schema as config
+from labrun.core.project import LABRUN_CONF
 
-CONF = PROJECT / "conf"
+CONF = LABRUN_CONF
 ENV_KEYS = ("LABRUN_DATA_DIR", "LABRUN_OUTPUT_ROOT")
 SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1"]
 

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT, run_labrun, run_train
+from conftest import run_labrun, run_train
 from labrun import cli
+from labrun.core.project import LABRUN_CONF
 
-CONF = PROJECT / "conf"
+CONF = LABRUN_CONF
 
 
 def test_check_passes_on_the_real_tree():

@@ -20,8 +20,9 @@ import pytest
 import yaml
 
 from conftest import LABRUN, PROJECT, PYTHON, run_labrun
+from labrun.core.project import SHIPPED_MONITORING
 
-MONITORING = PROJECT / "monitoring"
+MONITORING = SHIPPED_MONITORING
 DASHBOARD = MONITORING / "grafana" / "labrun.json"
 INSTALL = "run scripts/setup.sh as root (it installs Debian's prometheus package)"
 
@@ -159,6 +160,7 @@ HOLDER = """
 import os, sys, time
 from labrun.runs import lock
 from labrun.runs.rundir import RunDir
+from labrun.core.project import SHIPPED_MONITORING
 run = RunDir(sys.argv[1])
 lock.acquire(run.lock_path)
 if sys.argv[2] != "none":

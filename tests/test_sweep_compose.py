@@ -15,8 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import HydraContext, RunMode
 from omegaconf import OmegaConf, open_dict
 
-from conftest import PROJECT
 from labrun.config import schema
+from labrun.core.project import LABRUN_CONF
 from labrun.launch.compose import JobComposer
 
 JOBS = [["model=" + model, f"optimizer.lr={lr}", "seed=${hydra:job.num}",
@@ -28,7 +28,7 @@ JOBS = [["model=" + model, f"optimizer.lr={lr}", "seed=${hydra:job.num}",
 def hydra_parts(tmp_path):
     schema.register()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
         hydra = GlobalHydra.instance().hydra
         master = hydra.compose_config("train", overrides=[
             "hydra.mode=MULTIRUN", "cluster=slurm_dev", f"hydra.sweep.dir={tmp_path}"],

@@ -17,6 +17,7 @@ from conftest import (
     run_train,
     same_weights,
 )
+from labrun.core.project import LABRUN_CONF
 
 
 def test_default_job_writes_the_run_folder_contract(digits_run):
@@ -73,7 +74,7 @@ def test_help_lists_groups_and_cfg_job_prints_the_config():
     # Every option of every group, as conf/ holds them.
     for group in ("dataset", "model", "optimizer", "precision", "schedule", "logger", "task",
                   "callbacks", "experiment"):
-        options = sorted(path.stem for path in (PROJECT / "conf" / group).glob("*.yaml"))
+        options = sorted(path.stem for path in (LABRUN_CONF / group).glob("*.yaml"))
         assert len(options) > 1 and f"{group}: {', '.join(options)}\n" in help_text, group
     job = subprocess.run([PYTHON, "train.py", "--cfg", "job", "model=resnet18",
                           "optimizer.lr=0.2"], cwd=PROJECT, capture_output=True, text=True,

@@ -1,3 +1,8 @@
 """labrun: a configuration-driven experiment runner for a deep-learning lab."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("labrun")  # git's, through setuptools-scm (pyproject.toml)
+except PackageNotFoundError:  # a source tree on PYTHONPATH that was never installed
+    __version__ = "0+unknown"

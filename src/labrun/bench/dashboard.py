@@ -233,12 +233,12 @@ def _saved_config() -> str:
     from omegaconf import OmegaConf
 
     from labrun.config import schema
-    from labrun.core.project import CONF_DIR
+    from labrun.core.project import LABRUN_CONF
 
     schema.register()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
             return OmegaConf.to_yaml(compose("train"))
     finally:
         GlobalHydra.instance().clear()

@@ -20,14 +20,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from labrun.bench import write_json
 from labrun.bench.targets import Target, Verdict, judge, unmeasured
-from labrun.core.project import PROJECT_DIR
+from labrun.core.project import LABRUN_CONF, TRAIN_COMMAND, project_dir
 
 # The sweep's targets: a job costs a fifth of Hydra's own per-job compose at most, measured in
 # the same run (ms_per_job itself is printed; seconds depend on the machine), and one SLURM
@@ -44,10 +43,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def held_sweep(sweep_dir: Path, jobs: int) -> float:
     """Submit a detached sweep of `jobs` held jobs; its wall time in seconds."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(PROJECT_DIR / "train.py"), "-m", "cluster=slurm_dev",
+    subprocess.run([*TRAIN_COMMAND, "-m", "cluster=slurm_dev",
                     "+cluster.extra_sbatch.hold=true", "cluster.detach=true", "logger=csv",
                     f"seed=range(0,{jobs})", f"hydra.sweep.dir={sweep_dir}"],
-                   cwd=PROJECT_DIR, check=True, capture_output=True, text=True)
+                   cwd=project_dir() or Path.cwd(), check=True, capture_output=True, text=True)
     return time.perf_counter() - start
 
 
@@ -61,7 +60,7 @@ def hydra_compose_ms(jobs: int = 10) -> float:
 
     schema.register()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(PROJECT_DIR / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
         hydra = GlobalHydra.instance().hydra
         master = hydra.compose_config("train", overrides=["hydra.mode=MULTIRUN",
                                                           "cluster=slurm_dev"],

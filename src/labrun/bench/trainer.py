@@ -32,10 +32,8 @@ from hydra.utils import instantiate
 
 from labrun.bench import write_json
 from labrun.bench.targets import Target, Verdict, judge
-from labrun.core.project import PROJECT_DIR
+from labrun.core.project import LABRUN_CONF, TRAIN_COMMAND
 from labrun.runs.rundir import RunDir
-
-PROJECT = PROJECT_DIR
 
 # labrun's loop may cost at most 3% of a hand-written one's throughput; a run may take at most
 # 1.5 times as long to its first step as importing torch and composing the config take (the
@@ -137,7 +135,7 @@ def _compose(run_dir: Path, args, *overrides: str):
     from labrun.config import schema as config
 
     config.register()
-    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
         return compose("train", overrides=[
             f"paths.run_dir={run_dir}", "optimizer=sgd", "optimizer.weight_decay=0",
             "optimizer.nesterov=false", "schedule=constant", "logger=csv",
@@ -293,16 +291,16 @@ def run_startup(args: argparse.Namespace) -> list[Verdict]:
         # which tears torch down slowly, is not counted in either).
         start = time.time()
         done = subprocess.run([sys.executable, "-c",
-                               BASELINE.format(conf=str(PROJECT / "conf"))], check=True,
-                              capture_output=True, text=True, cwd=PROJECT)
+                               BASELINE.format(conf=str(LABRUN_CONF))], check=True,
+                              capture_output=True, text=True)
         imports.append(float(done.stdout.split()[-1]) - start)
         with tempfile.TemporaryDirectory() as tmp:
             start = time.time()
-            subprocess.run([sys.executable, str(PROJECT / "train.py"), "logger=csv",
+            subprocess.run([*TRAIN_COMMAND, "logger=csv",
                             "trainer.max_epochs=1", "trainer.limit_train_batches=1",
                             "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
                             "trainer.progress=none", f"hydra.run.dir={tmp}"],
-                           check=True, cwd=PROJECT, capture_output=True,
+                           check=True, capture_output=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
             first = json.loads(RunDir(tmp).metrics_path.read_text().splitlines()[0])
             first_step.append(first["time"] - start)

@@ -16,6 +16,8 @@ from labrun.core.errors import LabrunError
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("labrun.cli.train", "train a run, or a sweep with -m: `labrun train --help` lists "
+              "the config groups (the same app as `python train.py`)"),
     "convert": ("labrun.cli.convert", "convert data: images (or images and masks: convert seg) "
                 "to one HDF5 file, text to token files"),
     "resume": ("labrun.cli.rerun", "resume an interrupted run in its own folder"),
@@ -70,6 +72,11 @@ def setup_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # Hydra's app: its own arguments, its own logging, its exit code
+        from labrun.cli.train import main as train
+
+        train(argv[1:])
+        return 0
     setup_logging()
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints usage or the error, exits 2

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from labrun.core import probes
 from labrun.core.errors import one_line
-from labrun.core.project import PROJECT_DIR
+from labrun.core.project import LABRUN_CONF
 from labrun.core.scheduler import SlurmScheduler
 from labrun.doctor.report import FAILED, OK, WARNING, Check
 
@@ -104,7 +104,7 @@ def check_disk(folders: dict[str, Path]) -> list[Check]:
 
 def load_project_context(partition: str | None) -> dict:
     """Output and data folders and the SLURM partition, from conf/ when it can be composed."""
-    conf = next((d for d in (Path.cwd() / "conf", PROJECT_DIR / "conf") if d.is_dir()), None)
+    conf = next((d for d in (Path.cwd() / "conf", LABRUN_CONF) if d.is_dir()), None)
     folders = {"outputs": Path(os.environ.get("LABRUN_OUTPUT_ROOT", "outputs")),
                "data": Path(os.environ.get("LABRUN_DATA_DIR", "data"))}
     context = {"folders": folders, "partition": partition,

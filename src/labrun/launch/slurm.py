@@ -35,7 +35,7 @@ from labrun.config import facts
 from labrun.core import environment, probes
 from labrun.core.errors import LabrunError, one_line
 from labrun.core.files import atomic_path
-from labrun.core.project import PROJECT_DIR
+from labrun.core.project import project_dir
 from labrun.core.scheduler import LIVE_STATES, SlurmScheduler
 from labrun.launch import SLURM_COMMENT_PREFIX, container, sweep
 from labrun.launch.slurm_limits import (
@@ -183,7 +183,7 @@ class SlurmLauncher(sweep.SweepLauncher):
         image = job.config.cluster.get("container")
         if image is None or image.runtime is None:
             return {}
-        code_dir = self._snapshot or PROJECT_DIR
+        code_dir = self._snapshot or project_dir() or Path.cwd()
         binds = container.mounts(job.config.cluster, job.config, code_dir, self.sweep_dir,
                                  self._submitted_from)
         # sbatch runs in the folder it was called from: the snapshot's, else the submitter's.
@@ -424,10 +424,12 @@ class code_snapshot:  # noqa: N801 - used as a context manager, like submitit's 
         elif self.folder is not None:
             from submitit.helpers import RsyncSnapshot
 
-            project = PROJECT_DIR
-            if not (project / ".git").exists() or shutil.which("rsync") is None:
-                raise LabrunError("cluster.snapshot=true needs a git checkout and rsync "
-                                  "(apt-get install rsync); or set cluster.snapshot=false")
+            project = project_dir()
+            if project is None or not (project / ".git").exists() or not shutil.which("rsync"):
+                raise LabrunError("cluster.snapshot=true needs a project in a git checkout "
+                                  "(a pyproject.toml with [tool.labrun] at or above this "
+                                  "folder) and rsync (apt-get install rsync); or set "
+                                  "cluster.snapshot=false")
             self.inner = RsyncSnapshot(self.folder, root_dir=project)
             self.inner.__enter__()
         return self

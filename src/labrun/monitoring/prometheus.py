@@ -28,7 +28,7 @@ import yaml
 
 from labrun.core.errors import LabrunError
 from labrun.core.files import write_text_atomic
-from labrun.core.project import PROJECT_DIR
+from labrun.core.project import SHIPPED_MONITORING
 
 INSTALL_HINT = ("install it: sudo apt-get install prometheus (scripts/setup.sh, which `make "
                 "test` runs, installs it when run as root)")
@@ -36,7 +36,7 @@ INSTALL_HINT = ("install it: sudo apt-get install prometheus (scripts/setup.sh, 
 # escapes are JSON's for what it logs). Hand-parsed: two fields of one line do not need a
 # logfmt library.
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)')
-MONITORING_DIR = PROJECT_DIR / "monitoring"  # the shipped prometheus.yml, rules, dashboard
+MONITORING_DIR = SHIPPED_MONITORING  # the shipped prometheus.yml, rules, dashboard
 LABRUN_JOB = "labrun"  # the scrape job of training runs, fed by `labrun monitor targets`
 QUEUE_JOB = "labrun-queue"  # the scrape job of `labrun monitor queue`, the cluster's queue
 SERVE_JOB = "labrun-serve"

@@ -25,6 +25,9 @@ ENTRY_FILE = Path(__file__).with_name("compose_side.py")
 # Today's copy of the entry for a revision older than it: a top-level module in that side's
 # temporary src/, so that its own labrun package stays the one imported.
 FALLBACK = "_labrun_compose_side"
+# Where a revision keeps its config tree: a project's conf/, or, in labrun's own repository
+# since its configs are package data, src/labrun/conf/.
+CONF_PLACES = ("conf", "src/labrun/conf")
 
 
 @dataclass
@@ -38,7 +41,8 @@ class Side:
 
     @property
     def conf(self) -> Path:
-        return self.root / "conf"
+        return next((self.root / place for place in CONF_PLACES if (self.root / place).is_dir()),
+                    self.root / CONF_PLACES[0])
 
     @property
     def src(self) -> Path:
@@ -105,7 +109,7 @@ def checkout(repo: Path, rev: str | None) -> Iterator[Side]:
         return
     commit = commit_of(repo, rev)
     present = git(repo, "ls-tree", "--name-only", commit).split()
-    if "conf" not in present:
+    if "conf" not in present and not git(repo, "ls-tree", commit, CONF_PLACES[1]).strip():
         raise LabrunError(f"{rev} has no conf/ folder; give a revision of this project")
     with tempfile.TemporaryDirectory(prefix="labrun-review-") as folder:
         paths = [p for p in ("conf", "src") if p in present]

@@ -25,7 +25,7 @@ from labrun import data
 from labrun.config import facts, validation
 from labrun.core import environment
 from labrun.core.errors import ConfigError, LabrunError, RunInterrupted, one_line
-from labrun.core.project import PROJECT_DIR
+from labrun.core.project import project_dir
 from labrun.monitoring import metrics_endpoint
 from labrun.runs import lock as run_lock
 from labrun.runs import provenance
@@ -125,7 +125,8 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
     folder.truncate_metrics_after(resume["step"] if resume is not None else 0)
     recorded = {}
     if dist.is_main:
-        recorded = provenance.write(folder.provenance_dir, launch["overrides"], PROJECT_DIR,
+        recorded = provenance.write(folder.provenance_dir, launch["overrides"],
+                                    project_dir() or Path.cwd(),
                                     *started_by(),
                                     weights=start.record() if start is not None else None,
                                     split=split_record(cfg.dataset))

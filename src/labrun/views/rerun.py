@@ -12,11 +12,10 @@ import json
 import logging
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 from labrun.core.errors import LabrunError
-from labrun.core.project import PROJECT_DIR
+from labrun.core.project import TRAIN_COMMAND, project_dir
 from labrun.runs import provenance
 from labrun.runs.lock import RunLocked
 from labrun.runs.lock_holder import busy_message, live_holder, me
@@ -37,20 +36,22 @@ def saved_overrides(run_dir: Path) -> list[str]:
 
 
 def train_command(run_dir: Path) -> tuple[list[str], Path]:
-    """The interpreter and train.py that started the run, and the folder it started in, so
-    relative paths in its config mean the same again (this project's, if not recorded)."""
+    """The interpreter and train.py that started the run (`labrun train` when it was that, or
+    is not recorded), and the folder it started in, so relative paths in its config mean the
+    same again (this project's, if not recorded)."""
     command_file = RunDir(run_dir).provenance_dir / provenance.COMMAND
-    python, script, cwd = sys.executable, PROJECT_DIR / "train.py", PROJECT_DIR
+    command, cwd = list(TRAIN_COMMAND), project_dir() or Path.cwd()
     if command_file.is_file():
         recorded = json.loads(command_file.read_text())
         recorded_script = Path(recorded["cwd"]) / recorded["argv"][0]
-        if recorded_script.is_file():
-            script = recorded_script
-        if Path(recorded["executable"]).is_file():
-            python = recorded["executable"]
+        python = recorded["executable"] if Path(recorded["executable"]).is_file() else command[0]
+        if recorded_script.name == "train.py" and recorded_script.is_file():
+            command = [python, str(recorded_script)]
+        else:
+            command = [python, *TRAIN_COMMAND[1:]]
         if Path(recorded["cwd"]).is_dir():
             cwd = Path(recorded["cwd"])
-    return [python, str(script)], cwd
+    return command, cwd
 
 
 def differences(run_dir: Path) -> list[str]:
@@ -60,7 +61,7 @@ def differences(run_dir: Path) -> list[str]:
     git_file = recorded_dir / provenance.GIT
     if git_file.is_file():
         recorded = json.loads(git_file.read_text())
-        now = provenance.git_state(PROJECT_DIR)
+        now = provenance.git_state(project_dir() or Path.cwd())
         if recorded.get("commit") and recorded["commit"] != now["commit"]:
             notes.append(f"git commit differs: run {recorded['commit'][:10]}, "
                          f"now {str(now['commit'])[:10]}")

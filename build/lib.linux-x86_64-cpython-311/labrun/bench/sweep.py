@@ -1,0 +1,135 @@
+"""`labrun bench sweep [--jobs N]`: what submitting a large sweep costs, on the SLURM cluster
+that answers here (the test cluster of scripts/slurm_up.sh), with its jobs held so that nothing
+runs, then cancelled. Without a cluster it says so and measures nothing.
+
+    ms_per_job        (the wall time of a detached, held sweep of N jobs - that of a sweep of
+                      one) / (N - 1): composing, planning, writing and submitting one job more,
+                      `python train.py`'s start-up and the code snapshot not counted (printed,
+                      not judged: seconds depend on the machine)
+    hydra_ms_per_job  Hydra's own load_sweep_config of one such job, from scratch (what every
+                      job cost before launch/compose.JobComposer), in this process: the baseline
+    speedup           hydra_ms_per_job / ms_per_job
+    queries_per_pass  the SLURM commands one pass of the launcher's polling
+                      (SlurmLauncher.ended) runs for all N jobs, counted by a shim on PATH
+The targets are SWEEP_TARGETS below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from labrun.bench import write_json
+from labrun.bench.targets import Target, Verdict, judge, unmeasured
+from labrun.core.project import LABRUN_CONF, TRAIN_COMMAND, project_dir
+
+# The sweep's targets: a job costs a fifth of Hydra's own per-job compose at most, measured in
+# the same run (ms_per_job itself is printed; seconds depend on the machine), and one SLURM
+# query a polling pass whatever the sweep's size (a count: "< 2" is "at most 1").
+SWEEP_TARGETS = (Target("speedup", ">=", 5.0, of=("hydra_ms_per_job", "ms_per_job")),
+                 Target("queries_per_pass", "<", 2))
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--jobs", type=int, default=1500, help="jobs in the sweep (default 1500)")
+    parser.add_argument("--json", metavar="FILE")
+
+
+def held_sweep(sweep_dir: Path, jobs: int) -> float:
+    """Submit a detached sweep of `jobs` held jobs; its wall time in seconds."""
+    start = time.perf_counter()
+    subprocess.run([*TRAIN_COMMAND, "-m", "cluster=slurm_dev",
+                    "+cluster.extra_sbatch.hold=true", "cluster.detach=true", "logger=csv",
+                    f"seed=range(0,{jobs})", f"hydra.sweep.dir={sweep_dir}"],
+                   cwd=project_dir() or Path.cwd(), check=True, capture_output=True, text=True)
+    return time.perf_counter() - start
+
+
+def hydra_compose_ms(jobs: int = 10) -> float:
+    """Hydra's load_sweep_config of one job of such a sweep, in ms (mean of `jobs`)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from labrun.config import schema
+
+    schema.register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
+        hydra = GlobalHydra.instance().hydra
+        master = hydra.compose_config("train", overrides=["hydra.mode=MULTIRUN",
+                                                          "cluster=slurm_dev"],
+                                      run_mode=RunMode.MULTIRUN, with_log_configuration=False)
+        hydra.config_loader.load_sweep_config(master, ["seed=0"])  # its caches, as in a sweep
+        start = time.perf_counter()
+        for seed in range(jobs):
+            hydra.config_loader.load_sweep_config(master, [f"seed={seed}"])
+        return (time.perf_counter() - start) / jobs * 1000
+
+
+def queries_per_pass(sweep_dir: Path, shims: Path) -> int:
+    """SLURM commands run by one SlurmLauncher.ended() pass over the sweep's jobs."""
+    from labrun.core.scheduler.slurm import COMMANDS
+    from labrun.launch.slurm import SlurmLauncher
+    from labrun.runs.sweepdir import SweepDir
+
+    calls = shims / "calls"
+    for name in COMMANDS:
+        real = subprocess.run(["which", name], capture_output=True, text=True).stdout.strip()
+        shim = shims / name
+        shim.write_text(f'#!/bin/sh\necho {name} >> "{calls}"\nexec {real} "$@"\n')
+        shim.chmod(0o755)
+    jobs = SweepDir(sweep_dir).read_jobs()["jobs"]
+    path = os.environ["PATH"]
+    os.environ["PATH"] = f"{shims}:{path}"
+    try:
+        ended = SlurmLauncher().ended(jobs)
+    finally:
+        os.environ["PATH"] = path
+    assert not ended, f"held jobs ended: {[job.num for job in ended]}"
+    return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+
+def run(args: argparse.Namespace) -> list[Verdict]:
+    from labrun.core import probes
+    from labrun.core.errors import LabrunError
+    from labrun.core.scheduler import SlurmScheduler
+
+    if args.jobs < 2:
+        raise LabrunError(f"--jobs {args.jobs}: give 2 or more")
+    try:
+        SlurmScheduler().partitions()
+    except probes.SlurmError as error:
+        reason = (f"no SLURM cluster answers here ({error}); as root, scripts/slurm_up.sh "
+                  f"starts the test cluster (make bench does), or leave the benchmark out: "
+                  f"labrun bench all --skip sweep")
+        print(f"bench sweep: not run: {reason}")
+        return unmeasured("sweep", SWEEP_TARGETS, reason)
+    with tempfile.TemporaryDirectory(prefix="labrun-bench-sweep-") as tmp:
+        folder = Path(tmp)
+        ids: list[str] = []
+        try:
+            one = held_sweep(folder / "one", 1)
+            ids += [row["job_id"] for row in json.loads(
+                (folder / "one" / "jobs.json").read_text())["jobs"]]
+            many = held_sweep(folder / "many", args.jobs)
+            ids += [row["job_id"] for row in json.loads(
+                (folder / "many" / "jobs.json").read_text())["jobs"]]
+            (folder / "shims").mkdir()
+            queries = queries_per_pass(folder / "many", folder / "shims")
+        finally:
+            SlurmScheduler().cancel(sorted({job_id.split("_")[0] for job_id in ids}))
+    figures = {"jobs": args.jobs, "one_job_s": one, "sweep_s": many,
+               "ms_per_job": (many - one) / (args.jobs - 1) * 1000,
+               "hydra_ms_per_job": hydra_compose_ms(), "queries_per_pass": queries}
+    figures["speedup"] = figures["hydra_ms_per_job"] / figures["ms_per_job"]
+    print(f"{args.jobs} held jobs submitted in {many:.1f} s (one job: {one:.1f} s): "
+          f"{figures['ms_per_job']:.1f} ms a job; Hydra's compose alone "
+          f"{figures['hydra_ms_per_job']:.1f} ms a job; {queries} SLURM queries a polling pass")
+    write_json(args.json, figures)
+    return judge("sweep", figures, SWEEP_TARGETS)

@@ -1,0 +1,142 @@
+"""The dataset/ group's schemas: what a dataset section holds, by kind of data (images,
+images with masks, tokens). Their own module for length; config/schema.py registers them with
+the others (SCHEMAS), and the two read as one table of every key labrun takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from omegaconf import MISSING
+
+from labrun.config.fields import key
+from labrun.config.keys import NewKeys
+
+# Which library decodes JPEG files (data/image/decode.py); every other format goes to Pillow.
+DECODERS = ("turbojpeg", "pil", "torchvision")
+
+
+def decoder_key() -> Any:
+    return key("turbojpeg", choices=DECODERS)
+
+
+@dataclass
+class AugmentConfig:
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop
+    crop_ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    hflip: bool = True
+    val_resize_ratio: float = 0.875  # val: resize to image_size / ratio, then center-crop
+
+
+@dataclass
+class ImageDatasetConfig:
+    """What an image format's section holds (labrun.data.image): its loader's keys, and the
+    size, decoding, augmentation and normalisation labrun applies to every image format. A
+    dataset of another kind has a schema of its own (TokensConfig)."""
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET  # those its loader takes
+
+    _target_: str = MISSING  # the format's loader: a function returning {split: ImageSource}
+    name: str = MISSING
+    image_size: int = 224
+    num_workers: int = key(2, resume_safe=True, affects_result=False)  # samples are seeded per index
+    # Where JPEGs are decoded: in the workers, or (cpu, cuda) in whole batches in the main
+    # process (data/image/batched.py). Same crops and flips; pixels differ slightly (DCT scaling,
+    # nvJPEG's rounding): a result change, but a run may resume on a machine with another.
+    decode: str = key("workers", resume_safe=True, choices=("workers", "cpu", "cuda"))
+    val_fraction: float = 0.1  # held out of train when the data has no val split
+    # k-fold cross-validation of a dataset without a val split of its own: train on K-1 folds,
+    # validate on fold `fold` (data/image/sources.py, folds); val_fraction is then ignored.
+    num_folds: int | None = None
+    fold: int | None = None
+    split_seed: int = 0  # seeds the held-out val split and the folds (0: as always)
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    augment: AugmentConfig = key(factory=AugmentConfig)
+
+
+@dataclass
+class DigitsConfig(ImageDatasetConfig):
+    pass
+
+
+@dataclass
+class SyntheticConfig(ImageDatasetConfig):
+    num_classes: int = 10
+    num_train: int = 1024
+    num_val: int = 256
+    num_test: int = 0  # > 0 adds a test split
+
+
+@dataclass
+class ImageFolderConfig(ImageDatasetConfig):
+    root: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
+    decoder: str = decoder_key()
+
+
+@dataclass
+class HDF5Config(ImageDatasetConfig):
+    path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
+    decoder: str = decoder_key()
+
+
+@dataclass
+class CIFAR10Config(ImageDatasetConfig):
+    root: str = key(MISSING, must_exist=True, resume_safe=True)
+    download: bool = key(True, affects_result=False)
+
+
+@dataclass
+class SegmentationDatasetConfig(ImageDatasetConfig):
+    """An image format whose labels are masks (labrun.data.segmentation): its images and masks
+    are cropped, flipped and resized together (masks by nearest neighbour)."""
+    ignore_index: int = 255  # a mask value not scored (Pascal VOC's void)
+    # fixed: val and test images resized to image_size x image_size; full: at their own size
+    # (one image per batch when sizes differ: trainer.batch_size must then be 1 for eval).
+    eval_size: str = key("fixed", choices=("fixed", "full"))
+
+
+@dataclass
+class ShapesConfig(SegmentationDatasetConfig):
+    num_train: int = 512
+    num_val: int = 128
+    num_test: int = 0
+
+
+@dataclass
+class SegFolderConfig(SegmentationDatasetConfig):
+    root: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
+    decoder: str = decoder_key()
+    num_classes: int | None = None  # required without ROOT/classes.txt
+
+
+@dataclass
+class SegHDF5Config(SegmentationDatasetConfig):
+    path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
+    decoder: str = decoder_key()
+
+
+@dataclass
+class TokensConfig:
+    """A token folder of `labrun convert text` (data/tokens.py): its own keys, none of the
+    image datasets'."""
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET
+
+    _target_: str = MISSING  # labrun.data.tokens.load
+    name: str = MISSING
+    path: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
+    block_size: int = 256  # tokens per window: the model's positions
+    num_workers: int = key(0, resume_safe=True, affects_result=False)  # windows are seeded per index
+
+
+@dataclass
+class PythonDocsConfig:
+    """CPython's own documentation text as tokens, converted on first use into `folder`
+    (tokens.python_docs), which need not exist yet."""
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET
+
+    _target_: str = MISSING  # labrun.data.tokens.python_docs
+    name: str = MISSING
+    folder: str = key(MISSING, path=True, resume_safe=True, affects_result=False)
+    block_size: int = 256
+    num_workers: int = key(0, resume_safe=True, affects_result=False)
