@@ -34,7 +34,8 @@ def installed(tmp_path_factory) -> Path:
     assert {"labrun/conf/train.yaml", "labrun/conf/review.yaml", "labrun/conf/model/resnet50.yaml",
             "labrun/monitoring/shipped/prometheus.yml", "labrun/monitoring/shipped/rules.yml",
             "labrun/monitoring/shipped/grafana/labrun.json",
-            "hydra_plugins/labrun_launcher/labrun_project.py"} <= set(names)
+            "hydra_plugins/labrun_launcher/labrun_project.py",
+            "labrun/scaffold/template/Makefile"} <= set(names)
 
     venv = folder / "venv"
     subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -52,9 +53,13 @@ def installed(tmp_path_factory) -> Path:
 
 
 def run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    return subprocess.run([str(bin_dir / args[0]), *args[1:]], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env={**env, "PYTHONNOUSERSITE": "1"})
+    """A command of the new environment, as a person who activated it types it."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
+    command = args[0] if args[0] == "make" else str(bin_dir / args[0])
+    return subprocess.run([command, *args[1:]], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**env, "PYTHONNOUSERSITE": "1"})
 
 
 def test_the_wheel_imports_labrun_from_itself_with_a_version_from_git(installed, tmp_path):
@@ -108,3 +113,42 @@ def test_python_train_py_and_labrun_train_compose_the_same_config(tmp_path):
                                  capture_output=True, text=True, timeout=120)
     assert via_script.returncode == via_command.returncode == 0, via_command.stderr
     assert via_script.stdout == via_command.stdout and "resnet18" in via_script.stdout
+
+
+def test_labrun_new_makes_a_project_that_trains_and_tests_with_its_own_make(installed,
+                                                                           tmp_path):
+    """`labrun new` from the installed tool, then the project's own `make train` and `make
+    test` in the environment labrun is installed in (no second torch), training the project's
+    model on its data, with its task, recorded under the project's commit."""
+    made = run(installed, "labrun", "new", "plant-disease", "--task", "classification",
+               cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    project = tmp_path / "plant-disease"
+    head = subprocess.run(["git", "log", "--format=%H"], cwd=project, capture_output=True,
+                          text=True).stdout.split()
+    assert len(head) == 1  # the first commit, whatever git's identity here
+    assert {".gitignore", ".pre-commit-config.yaml", "Makefile", "README.md", "train.py",
+            "pyproject.toml"} <= {p.name for p in project.iterdir()}
+    assert (project / ".github" / "workflows" / "config-review.yml").is_file()
+    assert (project / "data" / "raw").is_dir() and (project / "data" / "processed").is_dir()
+    assert "labrun>=" in (project / "pyproject.toml").read_text()
+
+    run_dir = tmp_path / "run"
+    trained = run(installed, "make", "train", f"ARGS=trainer.max_steps=3 trainer.max_epochs=null "
+                  f"logger=csv hydra.run.dir={run_dir}", cwd=project)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "stand in for the data" in trained.stderr  # data/raw is empty: the digits stand in
+    assert read_summary(run_dir)["status"] == "completed"
+    config = (run_dir / ".hydra" / "config.yaml").read_text()
+    for target in ("plant_disease.model.Net", "plant_disease.data.load",
+                   "plant_disease.task.Task"):
+        assert f"_target_: {target}" in config
+    git = json.loads((run_dir / "provenance" / "git.json").read_text())
+    assert (git["commit"], git["dirty"]) == (head[0], False)
+
+    tested = run(installed, "make", "test", cwd=project)
+    assert tested.returncode == 0, tested.stdout[-3000:] + tested.stderr[-3000:]
+    assert "2 passed" in tested.stdout
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True,
+                            text=True).stdout
+    assert status == ""  # data/, outputs/ and the install stamp are ignored

@@ -18,6 +18,8 @@ from labrun.core.errors import LabrunError
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("labrun.cli.train", "train a run, or a sweep with -m: `labrun train --help` lists "
               "the config groups (the same app as `python train.py`)"),
+    "new": ("labrun.cli.new", "a new project of the lab: its own repository, configs and code, "
+            "on labrun by version"),
     "convert": ("labrun.cli.convert", "convert data: images (or images and masks: convert seg) "
                 "to one HDF5 file, text to token files"),
     "resume": ("labrun.cli.rerun", "resume an interrupted run in its own folder"),

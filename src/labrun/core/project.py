@@ -9,14 +9,20 @@ either out.
                       pyproject.toml has a [tool.labrun] table (labrun's own repository has
                       one; a cluster job's snapshot of a project does too); None outside any
                       project
+    own_packages()    the project's own packages, trusted as labrun's own modules are
+    site_dir()        the lab's folder, LABRUN_SITE: what the lab sets once for everyone, in
+                      its conf/ (site/default.yaml, site/cluster/lab.yaml...); None unset
     TRAIN_COMMAND     `labrun train` as a subprocess
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
+
+from labrun.core.errors import ConfigError
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 LABRUN_CONF = PACKAGE_DIR / "conf"
@@ -36,8 +42,46 @@ def project_dir(start: Path | None = None) -> Path | None:
     return None
 
 
+SITE_VARIABLE = "LABRUN_SITE"
+
+
+def site_dir() -> Path | None:
+    """The lab's folder, which LABRUN_SITE names; a name that is no folder with a conf/ in it,
+    or a YAML file there that does not parse, is refused in one line naming it, before
+    anything is composed (Hydra's own parse error names no file)."""
+    import yaml
+
+    named = os.environ.get(SITE_VARIABLE)
+    if not named:
+        return None
+    site = Path(named).expanduser()
+    if not (site / "conf").is_dir():
+        raise ConfigError(f"{SITE_VARIABLE}={named}: no such lab folder (it must hold conf/, "
+                          f"with conf/site/default.yaml for the lab's settings); fix the path "
+                          f"or unset {SITE_VARIABLE}")
+    for path in sorted((site / "conf").rglob("*.yaml")):
+        try:
+            yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{SITE_VARIABLE}={named}: {path}{where} is not readable YAML "
+                              f"({getattr(error, 'problem', None) or error}); the lab's "
+                              f"folder needs fixing") from None
+    return site
+
+
 # A [tool.labrun] table or one of its sub-tables; read as text, as tomllib is Python 3.11's.
 DECLARATION = re.compile(r"^\s*\[tool\.labrun[.\]]", re.MULTILINE)
+
+
+def own_packages(project: Path | None) -> tuple[str, ...]:
+    """The project's own top-level packages (src/NAME/__init__.py, or NAME/__init__.py without
+    a src/ layout): its code, which labrun trusts as its own (a checkpoint's `_target_`s)."""
+    if project is None:
+        return ()
+    code = project / "src" if (project / "src").is_dir() else project
+    return tuple(sorted(init.parent.name for init in code.glob("*/__init__.py")))
 
 
 def declares_project(pyproject: Path) -> bool:

@@ -44,6 +44,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from labrun.core import project
 from labrun.core.errors import LabrunError, one_line
 
 # A checkpoint's model `_target_`s and deploy module outside these are refused unless
@@ -65,11 +66,13 @@ PREDICT_HOOKS = ("predict_arguments", "predict")
 def untrusted(dotted: str, key: str, ours: tuple[str, ...] = TRUSTED_TARGETS
               ) -> LabrunError | None:
     """The refusal of `dotted` (a class, function or module named by `key`), or None when it
-    is within `ours` or the lab's LABRUN_TRUSTED_MODULES: each a package or module (`mylab`
-    trusts mylab and mylab.*, not mylab_other) or a prefix ending in a dot."""
-    extra = os.environ.get("LABRUN_TRUSTED_MODULES", "")
+    is within `ours`, the project's own packages (the code of the project this command runs
+    in) or the lab's LABRUN_TRUSTED_MODULES: each a package or module (`mylab` trusts mylab
+    and mylab.*, not mylab_other) or a prefix ending in a dot."""
+    named = os.environ.get("LABRUN_TRUSTED_MODULES", "").split(",")
+    named += project.own_packages(project.project_dir())
     trusted = ours + tuple(p.strip() if p.strip().endswith(".") else p.strip() + "."
-                           for p in extra.split(",") if p.strip())
+                           for p in named if p.strip())
     if (dotted + ".").startswith(trusted):
         return None
     module = dotted.split(".")[0]

@@ -1,8 +1,8 @@
 """`labrun configs check`, `labrun configs diff A B` and `labrun configs review [BASE]`: config
-review for pull requests.
+review for pull requests; `labrun configs show KEY...`: where each key's value comes from.
 
-The arguments only; the work is labrun.review.check, labrun.review.diff and
-labrun.review.review.
+The arguments only; the work is labrun.review.check, labrun.review.diff,
+labrun.review.review and labrun.config.layers.
 """
 
 from __future__ import annotations
@@ -91,6 +91,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the project's git checkout (default: the current folder's)")
     review.add_argument("--config-name", default=PRIMARY,
                         help="the primary config (default: train)")
+    show = actions.add_parser(
+        "show", help="each key's value, and the layer and file that set it",
+        description="Compose the config as `labrun train OVERRIDE...` would, here, and print "
+                    "each KEY's value with the layer that set it last (labrun, lab: "
+                    "LABRUN_SITE, project: its conf/, local: its conf/local/, command line) "
+                    "and the file.",
+        epilog="example: labrun configs show cluster.partition paths.weights_cache cluster=lab")
+    show.add_argument("words", nargs="+", metavar="KEY|OVERRIDE",
+                      help="keys to show (cluster.partition) and overrides to compose with "
+                           "(cluster=lab, trainer.max_epochs=3): a word with '=' is an override")
+    show.add_argument("--config-dir", type=Path, default=PROJECT_CONF, help=argparse.SUPPRESS)
+    show.add_argument("--config-name", default=PRIMARY, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +110,18 @@ def run(args: argparse.Namespace) -> int:
         from labrun.review.check import check
 
         return check(args.config_dir, args.config_name)
+    if args.action == "show":
+        from labrun.config import layers
+
+        keys = [word for word in args.words if "=" not in word]
+        if not keys:
+            from labrun.core.errors import LabrunError
+
+            raise LabrunError("name a key to show, such as cluster.partition (words with '=' "
+                              "are overrides)")
+        overrides = [word for word in args.words if "=" in word]
+        layers.print_origins(layers.show(keys, overrides, args.config_dir, args.config_name))
+        return 0
     if args.action == "review":
         from labrun.review.review_cli import run_review
 

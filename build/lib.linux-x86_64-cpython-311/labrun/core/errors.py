@@ -36,3 +36,14 @@ def one_line(error: BaseException) -> str:
     if text.startswith("Caught ") and "Original Traceback" in text:
         text = text.splitlines()[-1].split(": ", 1)[-1]
     return first_line(text) if text else type(error).__name__
+
+
+def torch_load_reason(error: BaseException) -> str:
+    """Why torch.load could not read a file, in one line. A refusal of weights_only=True is
+    named as such: torch's own message advises loading the file without it, which would run
+    whatever code the file holds."""
+    text = str(error)
+    if "weights_only" in text or "Unsupported global" in text:
+        return "it holds pickled objects that could run code, refused (weights_only)"
+    reason = first_line(text)[:200]
+    return "not a PyTorch checkpoint file" if reason.isdigit() else reason  # no pickle at all

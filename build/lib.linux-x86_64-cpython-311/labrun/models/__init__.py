@@ -7,6 +7,8 @@ declares (the number of classes; a vocabulary and window for a language model).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -15,8 +17,15 @@ from torch import nn
 from labrun.core.errors import ConfigError
 
 # Keys of the model's config that labrun reads itself (the starting weights, frozen layers),
-# not constructor arguments (train/initial_weights.py, train/fine_tuning.py).
+# not constructor arguments (train/initial_weights.py, train/fine_tuning.py); a factory that
+# takes `pretrained` gets it all the same: torchvision's are built as their weights' builder
+# builds them.
 LABRUN_KEYS = ("init_from", "pretrained", "download", "freeze")
+# torchvision's classifiers with auxiliary classifiers (GoogLeNet's aux1 and aux2, Inception
+# v3's AuxLogits): in training they return those logits beside the main ones, a namedtuple the
+# classification loss cannot take. labrun builds them without, as torchvision's googlenet
+# builder leaves them out of its pretrained model.
+AUX_LOGITS = ("googlenet", "inception_v3")
 
 
 class SimpleCNN(nn.Module):
@@ -39,19 +48,29 @@ class SimpleCNN(nn.Module):
         return self.head(self.features(x))
 
 
-def torchvision_model(num_classes: int, name: str) -> nn.Module:
-    """Any torchvision classification model, randomly initialised: pretrained weights are
-    loaded after it is built (train/initial_weights.py), from a file found offline."""
+def torchvision_model(num_classes: int, name: str, pretrained: bool | str = False
+                      ) -> nn.Module:
+    """Any torchvision classification model, randomly initialised, with the constructor
+    arguments torchvision's builder gives it for the weights `model.pretrained` names
+    (pretrained.torchvision_arguments): they are loaded after it is built
+    (train/initial_weights.py), from a file found offline, and `labrun export` rebuilds the
+    same model from the run's config."""
     # Imported on use: torchvision's package imports all of it, torch._dynamo included (a
     # second or two per process), which a run of a built-in model does not need.
     import torchvision
+
+    from labrun.models.pretrained import torchvision_arguments
 
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
         close = [m for m in available if m.startswith(name[:4])][:6]
         raise ConfigError(f"model.name={name} is not a torchvision classification model; "
                           f"try one of: {', '.join(close or available[:6])}")
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    arguments = torchvision_arguments(name, pretrained)
+    if name in AUX_LOGITS:
+        arguments["aux_logits"] = False
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes,
+                                        **arguments)
 
 
 def timm_model(num_classes: int, name: str, drop_rate: float = 0.0) -> nn.Module:
@@ -82,7 +101,10 @@ def build(model_cfg: DictConfig, num_classes: int | None = None, **sizes: int) -
             factory_cfg.pop(name, None)  # left to the data
         else:
             del sizes[name]  # the model's config fixes it (model.block_size=1024)
-    return instantiate(factory_cfg)(**sizes)
+    factory = instantiate(factory_cfg)
+    if "pretrained" in inspect.signature(factory).parameters:  # built for the weights it loads
+        return factory(**sizes, pretrained=model_cfg.get("pretrained", False))
+    return factory(**sizes)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -12,20 +12,34 @@ lab's shared `paths.weights_cache`, then in the user's own caches:
 so `paths.weights_cache` is a folder a lab could equally name as TORCH_HOME and HF_HOME, and
 `labrun weights fetch` (on a login node) fills it with the libraries' own downloaders.
 Validation looks the file up before any data loads or any job is submitted.
+
+torchvision's weights are read by torchvision's own builder (`load_torchvision`), which does
+more than load a state dict: DenseNet's builder renames its file's old keys, GoogLeNet's drops
+its auxiliary heads. The model labrun builds for them takes the constructor arguments their
+builder passes (`torchvision_arguments`: GoogLeNet's and Inception's transform_input, a SWAG
+ViT's image size), so that `labrun export` and `eval` rebuild it from the run's config alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
+import os
 import re
+import warnings
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from unittest import mock
 from urllib.parse import urlparse
 
-from labrun.core.errors import ConfigError
+from labrun.core.errors import ConfigError, torch_load_reason
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # torch.hub's own rule for the published hash in a file name (resnet18-f37072fd.pth): the hex
 # digits after the last dash are a prefix of the file's sha256 (torch.hub.HASH_REGEX).
@@ -82,9 +96,10 @@ def resolve(model_cfg: Any, weights_cache: str | None) -> Weights:
     return _timm(model_cfg.name, model_cfg.pretrained, caches)
 
 
-def _torchvision(name: str, pretrained: bool | str, caches: list[Path],
-                 segmentation: bool = False) -> Weights:
-    import torch
+def torchvision_weights(name: str, pretrained: bool | str, segmentation: bool = False) -> Any:
+    """The member of torchvision's weights enum that `model.pretrained` names for `model.name`
+    (ResNet50_Weights.IMAGENET1K_V2); an unknown model or weights name raises ConfigError with
+    the closest names."""
     import torchvision
 
     # list_models(module=torchvision.models) holds the classifiers only, not the segmentation
@@ -97,13 +112,19 @@ def _torchvision(name: str, pretrained: bool | str, caches: list[Path],
     enum = torchvision.models.get_model_weights(name)
     tag = str(pretrained).split(".")[-1]  # IMAGENET1K_V2, or ResNet50_Weights.IMAGENET1K_V2
     if pretrained is True:
-        chosen = enum.DEFAULT
-    elif tag in enum.__members__:
-        chosen = enum[tag]
-    else:
-        raise ConfigError(f"model.pretrained={pretrained}: {name} has no such weights; "
-                          f"{_closest(tag, [w for w in enum.__members__ if w != 'DEFAULT'])}, "
-                          f"or true for DEFAULT")
+        return enum.DEFAULT
+    if tag in enum.__members__:
+        return enum[tag]
+    raise ConfigError(f"model.pretrained={pretrained}: {name} has no such weights; "
+                      f"{_closest(tag, [w for w in enum.__members__ if w != 'DEFAULT'])}, "
+                      f"or true for DEFAULT")
+
+
+def _torchvision(name: str, pretrained: bool | str, caches: list[Path],
+                 segmentation: bool = False) -> Weights:
+    import torch
+
+    chosen = torchvision_weights(name, pretrained, segmentation)
     filename = Path(urlparse(chosen.url).path).name
     hub = Path(torch.hub.get_dir())  # $TORCH_HOME/hub
     found = HASH_IN_NAME.search(filename)
@@ -192,6 +213,78 @@ def locate(model_cfg: Any, weights_cache: str | None) -> tuple[Weights, Path | N
 
 def override_text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def torchvision_arguments(name: str, pretrained: bool | str) -> dict[str, Any]:
+    """The constructor arguments torchvision's builder gives `name`'s model for the weights
+    `model.pretrained` names, besides their class count (the head swap's business): GoogLeNet
+    and Inception v3 were trained on inputs in [-1, 1] and turn ImageNet-normalised ones into
+    those (transform_input); a ViT or MaxViT is built for its weights' image size (384 px for
+    SWAG_E2E). Nothing for a model from random weights, as the builder gives nothing. Validation
+    compares every module's settings with the builder's own model (train/initial_weights.py),
+    so a builder that sets more than this is refused, not trained from the wrong model."""
+    if not pretrained:
+        return {}
+    weights = torchvision_weights(name, pretrained)
+    if name in ("googlenet", "inception_v3"):
+        return {"transform_input": True}
+    if name.startswith("vit_"):
+        return {"image_size": weights.meta["min_size"][0]}
+    if name.startswith("maxvit_"):
+        return {"input_size": weights.meta["min_size"]}
+    return {}
+
+
+def load_torchvision(weights: Weights, path: Path, meta: bool = False) -> nn.Module:
+    """The model torchvision's builder makes for `weights`, at their own class count, with the
+    file labrun located (`path`) read by torchvision's own loading code: the builder's renames
+    (DenseNet's old keys) and what it changes after loading (GoogLeNet's auxiliary heads
+    dropped) included. On the meta device (`meta`: validation's check) the file is
+    memory-mapped and its tensors never read, while every key and shape is checked as the real
+    load checks it (a file torch saved before 1.6, not yet a zip file, is read whole: torch
+    cannot memory-map it). A file that does not load raises ConfigError with torchvision's
+    reason."""
+    import torch
+    import torchvision
+    from torch.utils.serialization import config as serialization
+
+    # Rather than copy the builders' steps, labrun runs them: torch.hub reads an existing file
+    # of its checkpoints folder without downloading it or checking its hash, so its folder is
+    # pointed at the one that holds `path` (WEIGHTS/hub/checkpoints/NAME) for the build. The
+    # setting is patched, not set_dir: set_dir cannot be undone, and TORCH_HOME is read again
+    # only while no folder was set. torch.hub asks torch.load to unpickle anything
+    # (weights_only=False); TORCH_FORCE_WEIGHTS_ONLY_LOAD is torch.load's own switch to refuse.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.hub, "_hub_dir", str(path.parent.parent)))
+        stack.enter_context(mock.patch.dict(os.environ, {"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}))
+        if meta:
+            stack.enter_context(torch.device("meta"))
+            if zipfile.is_zipfile(path):
+                stack.enter_context(serialization.patch({"load.mmap": True}))
+            stack.enter_context(warnings.catch_warnings())  # one per tensor, for a no-op copy
+            warnings.filterwarnings("ignore", r"for .*: copying from a non-meta parameter")
+        try:
+            return torchvision.models.get_model(
+                weights.model, weights=torchvision.models.get_weight(weights.name),
+                progress=False)
+        except Exception as error:  # whatever the builder's load raises: the file does not fit
+            raise ConfigError(f"{weights.label} ({path}): torchvision's {weights.model} builder "
+                              f"cannot load them: {_reason(error)}; is the file another "
+                              f"model's, or damaged? (labrun weights fetch checks it against "
+                              f"the published hash)") from None
+
+
+def _reason(error: Exception) -> str:
+    """One line of a loading error: torch's load_state_dict names its reasons on the lines
+    after its first ("Error(s) in loading state_dict for DenseNet:"), each with every key;
+    torch.load's are worded as labrun words them for a checkpoint."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if not (lines[0].endswith(":") and len(lines) > 1):
+        return torch_load_reason(error)
+    line = lines[1].rstrip(".")
+    return line if len(line) <= 300 else f"{line[:300]}..."
 
 
 def download(weights: Weights, weights_cache: str | None, progress: bool = True) -> Path:

@@ -32,7 +32,7 @@ import torch
 
 import labrun
 from labrun.config.objective import DEFAULT_MODE, DEFAULT_MONITOR, better
-from labrun.core.errors import LabrunError
+from labrun.core.errors import LabrunError, torch_load_reason
 from labrun.core.files import atomic_path
 from labrun.runs.lock import ensure_owner
 from labrun.runs.rundir import RunDir
@@ -98,12 +98,8 @@ def read_torch_file(path: str | Path) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except Exception as error:
-        reason = str(error).strip().splitlines()[0][:200]
-        if "weights_only" in str(error) or "Unsupported global" in str(error):
-            reason = "it holds pickled objects that could run code, refused (weights_only)"
-        elif reason.isdigit():  # what torch says of a file that is no pickle at all
-            reason = "not a PyTorch checkpoint file"
-        raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from error
+        raise CheckpointError(f"{path}: not a readable checkpoint "
+                              f"({torch_load_reason(error)})") from error
 
 
 def save_weights_only(path: str | Path, model: dict[str, torch.Tensor], *,

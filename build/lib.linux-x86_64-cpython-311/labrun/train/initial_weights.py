@@ -8,6 +8,11 @@ missing, extra or differently shaped tensor is an error naming the first one. Th
 library's own: timm's `pretrained_cfg["classifier"]`; for torchvision and labrun's models, the
 tensors their constructor sizes by `num_classes` (asked by building the model a second time, on
 the meta device, with another class count), so nothing is guessed from shapes.
+
+torchvision's weights are the tensors of the model torchvision's own builder loads from the file
+(models/pretrained.py, load_torchvision: DenseNet's renamed keys, GoogLeNet's dropped heads),
+copied into the run's model, which labrun built with the builder's arguments for them; before
+data loads, validation runs the same builder on the meta device and compares both models.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ log = logging.getLogger(__name__)
 
 # Wrappers' prefixes in a state dict saved from a wrapped model (DDP's, torch.compile's).
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# torchvision's auxiliary classifiers, which its weights hold: a segmentation model's (kept
+# with model.aux_loss=true), GoogLeNet's and Inception v3's (labrun's classifiers have none:
+# models.AUX_LOGITS).
+AUX_HEADS = ("aux_classifier", "aux1", "aux2", "AuxLogits")
+# Module settings that differ from the builder's model by labrun's choice: Inception v3's
+# builder keeps its auxiliary classifier, whose switch this is.
+OWN_SETTINGS = ("aux_logits",)
 
 
 @dataclass
@@ -41,6 +53,7 @@ class Source:
     key: str  # the config key that asked: model.pretrained or model.init_from
     label: str
     path: Path
+    weights: pretrained.Weights | None = None  # model.pretrained's
 
     def record(self) -> dict[str, Any]:
         """What provenance keeps: the file actually loaded, and its sha256."""
@@ -58,7 +71,7 @@ def source(cfg: DictConfig) -> Source | None:
         weights, found = pretrained.locate(model_cfg, cfg.paths.get("weights_cache"))
         if found is None:
             found = pretrained.download(weights, cfg.paths.get("weights_cache"))
-        return Source("model.pretrained", weights.label, found)
+        return Source("model.pretrained", weights.label, found, weights)
     if init_from:
         return Source("model.init_from", f"file {Path(init_from).name}", Path(init_from))
     return None
@@ -128,13 +141,19 @@ def head_keys(model_cfg: DictConfig, model: nn.Module, num_classes: int | None) 
 
 
 def _without_unused_aux(model: nn.Module, theirs: dict[str, Any]) -> dict[str, Any]:
-    """The file's tensors less torchvision's auxiliary segmentation head where the model was
-    built without one (model.aux_loss=false): torchvision trained its FCN and DeepLabV3 weights
-    with it, and the head is only needed for the auxiliary loss."""
-    if getattr(model, "aux_classifier", False) is not None:  # built with it, or no such model
-        return theirs
-    return {key: value for key, value in theirs.items()
-            if not key.startswith("aux_classifier.")}
+    """The file's tensors less torchvision's auxiliary classifiers where the model was built
+    without them (None: model.aux_loss=false, GoogLeNet, Inception v3): torchvision trained
+    their weights with them, and they are only needed for an auxiliary loss."""
+    unused = tuple(f"{name}." for name in AUX_HEADS if getattr(model, name, False) is None)
+    return {key: value for key, value in theirs.items() if not key.startswith(unused)}
+
+
+def _starting_state(start: Source) -> dict[str, torch.Tensor]:
+    """The tensors a run starts from: torchvision's weights as its own builder loads them,
+    any other file's as they are."""
+    if start.weights is not None and start.weights.library == "torchvision":
+        return pretrained.load_torchvision(start.weights, start.path).state_dict()
+    return read_state(start.path)
 
 
 def mismatch(own: dict[str, tuple[int, ...]], theirs: dict[str, tuple[int, ...]],
@@ -165,7 +184,7 @@ def load(model: nn.Module, model_cfg: DictConfig, start: Source,
          num_classes: int | None) -> list[str]:
     """Load the starting weights into `model` with the head swap; returns the tensors
     re-initialised, which one log line names."""
-    state = _without_unused_aux(model, read_state(start.path))
+    state = _without_unused_aux(model, _starting_state(start))
     own = model.state_dict()
     where = f"{start.key}: {start.path}"
     swapped = mismatch({k: tuple(v.shape) for k, v in own.items()},
@@ -186,16 +205,54 @@ def load(model: nn.Module, model_cfg: DictConfig, start: Source,
 
 def check(cfg: DictConfig, model: nn.Module, num_classes: int | None) -> None:
     """Validation's part, before any data loads: the pretrained file is in a weights cache
-    (or model.download=true), and an init_from file's tensors fit `model` (built on the meta
-    device) apart from its head."""
+    (or model.download=true), and the starting tensors fit `model` (built on the meta device)
+    apart from its head: an init_from file's, or those torchvision's builder loads from its
+    weights' file, run on the meta device, whose model must also be set as `model` is."""
     model_cfg, init_from = cfg.model, cfg.model.get("init_from")
     _one_source(model_cfg)
     if pretrained.asked_for(model_cfg):
-        pretrained.locate(model_cfg, cfg.paths.get("weights_cache"))
+        weights, found = pretrained.locate(model_cfg, cfg.paths.get("weights_cache"))
+        if found is None or weights.library != "torchvision":
+            return  # fetched when the run starts (model.download=true); timm's read as they are
+        where = f"model.pretrained={pretrained.override_text(model_cfg.pretrained)}: {found}"
+        theirs = pretrained.load_torchvision(weights, found, meta=True)
+        their_shapes = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
     elif init_from:
-        path = Path(init_from)
+        where, path = f"model.init_from={init_from}", Path(init_from)
         if not path.is_file():
-            raise ConfigError(f"model.init_from={init_from}: no such file")
-        mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
-                 _without_unused_aux(model, shapes(path)),
-                 head_keys(model_cfg, model, num_classes), f"model.init_from={init_from}")
+            raise ConfigError(f"{where}: no such file")
+        theirs, their_shapes = None, shapes(path)
+    else:
+        return
+    mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
+             _without_unused_aux(model, their_shapes),
+             head_keys(model_cfg, model, num_classes), where)
+    if theirs is not None:
+        _same_settings(model_cfg, model, theirs, num_classes, where)
+
+
+def _same_settings(model_cfg: DictConfig, model: nn.Module, theirs: nn.Module,
+                   num_classes: int | None, where: str) -> None:
+    """Refuse a model set otherwise than torchvision's builder sets its own for the weights
+    (transform_input, a ViT's image size, a norm's eps): labrun builds it with the arguments it
+    knows the builder passes (pretrained.torchvision_arguments), and one it does not know of
+    would give the weights to a model unlike theirs without an error. Settings that follow the
+    class count (a head's out_features) are the head swap's."""
+    with torch.device("meta"):
+        other = models.build(model_cfg, num_classes + 1) if num_classes else model
+    ours, by_count, builders = (_settings(m) for m in (model, other, theirs))
+    for key, value in ours.items():
+        if (key in builders and builders[key] != value and by_count.get(key) == value
+                and key not in OWN_SETTINGS):
+            raise ConfigError(f"{where}: torchvision's builder sets {key}={builders[key]!r} for "
+                              f"these weights, labrun's model has {value!r}: labrun does not "
+                              f"pass this builder's arguments (models/pretrained.py, "
+                              f"torchvision_arguments)")
+
+
+def _settings(model: nn.Module) -> dict[str, Any]:
+    """Every module's own settings by name (transform_input, features.conv0.stride): its
+    attributes of plain values."""
+    return {f"{name}.{key}" if name else key: value
+            for name, module in model.named_modules() for key, value in vars(module).items()
+            if not key.startswith("_") and isinstance(value, (bool, int, float, str, tuple))}
