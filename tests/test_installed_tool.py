@@ -35,7 +35,7 @@ def installed(tmp_path_factory) -> Path:
             "labrun/monitoring/shipped/prometheus.yml", "labrun/monitoring/shipped/rules.yml",
             "labrun/monitoring/shipped/grafana/labrun.json",
             "hydra_plugins/labrun_launcher/labrun_project.py",
-            "labrun/scaffold/template/Makefile"} <= set(names)
+            "labrun/scaffold/template/Makefile.tmpl"} <= set(names)
 
     venv = folder / "venv"
     subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)

@@ -2,7 +2,8 @@
 repository of its own that depends on labrun by version.
 
 The files are template/'s, with {{name}}, {{package}} and the rest filled in (a file or folder
-named PACKAGE takes the package's name, dot-NAME becomes .NAME): the guide's layout (data/raw,
+named PACKAGE takes the package's name, dot-NAME becomes .NAME, and every file's .tmpl suffix,
+which keeps tools that read labrun's sources away from them, is dropped): the guide's layout (data/raw,
 data/processed, src/PACKAGE with a model, a dataset loader and preprocess.py), conf/ with the
 project's own groups and an experiment preset, a train.py of a few lines, a smoke test, a
 Makefile and README with `make train` and `make test`, .gitignore, the pre-commit hooks and the
@@ -99,8 +100,8 @@ def new(name: str, folder: Path | None = None, task: str | None = None) -> Path:
 
 
 def place(relative: Path, package: str) -> Path:
-    """A template file's path in the project: PACKAGE named, dot-NAME a dotfile."""
-    parts = [part.replace("PACKAGE", package) for part in relative.parts]
+    """A template file's path in the project: PACKAGE named, dot-NAME a dotfile, no .tmpl."""
+    parts = [part.replace("PACKAGE", package) for part in relative.with_suffix("").parts]
     return Path(*[f".{part[4:]}" if part.startswith("dot-") else part for part in parts])
 
 
