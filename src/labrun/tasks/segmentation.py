@@ -14,8 +14,8 @@ labrun.deploy.hooks): what its export takes and returns, how it is served and pr
     serving  Segmenter       the exported file in its runtime: image bytes in, preprocessed
                              exactly as validation does, a uint8 mask of class indices at the
                              image's own size out, and the share of pixels of each class
-             mask_png        a palette PNG: its pixels are class indices, shown in colours
-             overlay_png     the image with each pixel tinted by its class's colour
+             mask_images     how a mask is drawn: a palette PNG of class indices, an
+                             overlay of the image tinted by its classes' colours
              add_routes      POST /predict (multipart field `file`) -> {"mask": base64 PNG,
                              "fractions": {class: share}}; /predict/batch (fields `files`):
                              one such answer per file, with its filename
@@ -32,7 +32,6 @@ model sees the image at its own size.
 from __future__ import annotations
 
 import base64
-import io
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +41,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 from fastapi import File, Response, UploadFile
-from PIL import Image
 
 from labrun.config.dataset_schema import SegmentationDatasetConfig
 from labrun.core.errors import LabrunError, one_line
@@ -51,6 +49,7 @@ from labrun.data.image.transforms import as_rgb, normalize_on_device, resize_reg
 from labrun.deploy import predict as predicting
 from labrun.deploy import runtime
 from labrun.deploy.export import Plan, Target, build_data, build_model
+from labrun.tasks.mask_images import mask_png, overlay_png, palette
 from labrun.train.task import logits_of
 
 log = logging.getLogger(__name__)
@@ -66,7 +65,6 @@ PARITY_IMAGES = 16
 # The share of pixels whose class (the argmax) the exported file must give as eager PyTorch
 # does: fp32 kernels differ in summation order only, which flips a pixel only at a near tie.
 MIN_AGREEMENT = 0.999
-OVERLAY_ALPHA = 0.5  # how much of a pixel's colour in the overlay is its class's
 MAX_CLASSES = 256  # masks are uint8 (and PNG palettes hold 256 colours)
 
 
@@ -219,20 +217,6 @@ def metadata(state: dict[str, Any]) -> dict[str, Any]:
             "palette": palette(len(class_names))}
 
 
-def palette(count: int) -> list[list[int]]:
-    """`count` RGB colours, Pascal VOC's colour map: 0 black, 1 dark red, 2 green, 3 olive...,
-    all 256 distinct (255, VOC's void, cream), so masks look as VOC's do in any viewer."""
-    colours = []
-    for index in range(count):
-        rgb, bits = [0, 0, 0], index
-        for shift in range(7, -1, -1):  # the index's bits, three at a time, from the top bit
-            for channel in range(3):
-                rgb[channel] |= ((bits >> channel) & 1) << shift
-            bits >>= 3
-        colours.append(rgb)
-    return colours
-
-
 # ---------------------------------------------------------------------------------------------
 # Serving
 
@@ -341,24 +325,6 @@ class Segmenter:
         height, width = picture.shape[:2]
         pixels = resize_region(picture, 0, 0, height, width, height, width).permute(1, 2, 0)
         return overlay_png(pixels.numpy(), mask, self.colours)
-
-
-def mask_png(mask: np.ndarray, colours: np.ndarray) -> bytes:
-    """A palette PNG of a uint8 mask: a reader gets the class indices back (Pillow's "P"
-    image, numpy.asarray), a viewer shows each class in its colour."""
-    image = Image.fromarray(np.ascontiguousarray(mask, dtype=np.uint8))  # "L"
-    image.putpalette(colours.reshape(-1).tolist())  # "L" becomes "P", the values untouched
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", optimize=False)
-    return buffer.getvalue()
-
-
-def overlay_png(pixels: np.ndarray, mask: np.ndarray, colours: np.ndarray) -> bytes:
-    """An RGB PNG: each pixel blended with its class's colour (OVERLAY_ALPHA of it)."""
-    blended = pixels * (1 - OVERLAY_ALPHA) + colours[mask] * OVERLAY_ALPHA
-    buffer = io.BytesIO()
-    Image.fromarray(blended.round().astype(np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def load(path: Path, threads: int | None = None) -> Segmenter:
