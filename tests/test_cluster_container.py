@@ -122,3 +122,23 @@ def test_a_job_that_fails_before_python_shows_the_runtimes_error_in_status(tmp_p
     assert job["state"] == "failed", job
     assert job["error"] == ("SLURM state FAILED: Error: setting up CDI devices: unresolvable "
                             "CDI devices nvidia.com/gpu=0"), job
+
+
+def test_an_image_with_another_labrun_version_is_refused_in_one_line(tmp_path):
+    """The image's labrun must be the submitter's: here its Python finds a labrun 0.0.1
+    installed ahead of the mounted one (a dist-info first on its path, as an image built with
+    another wheel has), and the task stops before it reads the submission, in one line."""
+    other = tmp_path / "other-labrun"
+    (other / "labrun-0.0.1.dist-info").mkdir(parents=True)
+    (other / "labrun-0.0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: labrun\nVersion: 0.0.1\n")
+    probe = tmp_path / "python.sh"
+    probe.write_text(f"#!/bin/sh\nexport PYTHONPATH={other}:$PYTHONPATH\nexec {PYTHON} \"$@\"\n")
+    probe.chmod(0o755)
+    result = container_sweep(tmp_path / "sweep", python=str(probe), mounts=(str(tmp_path),))
+    assert result.returncode != 0
+    [row] = manifest(tmp_path / "sweep")["jobs"]
+    assert row["state"] == "failed", json.dumps(row)
+    assert (f"cluster.container.image={PODMAN_IMAGE} runs labrun 0.0.1, but the job was "
+            f"submitted with labrun ") in row["error"], json.dumps(row)
+    assert not (tmp_path / "sweep" / "0" / "summary.json").exists()  # nothing trained

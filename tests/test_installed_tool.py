@@ -3,12 +3,17 @@ at run time (the config groups, the config review's list, the Prometheus files),
 non-editable into a fresh environment, outside the checkout, it trains with `labrun train` and
 checks its configs from any folder. The environment reuses this one's torch and other
 dependencies through a path line (nothing is downloaded), and the test asserts that labrun
-itself is the wheel's."""
+itself is the wheel's.
+
+Then a lab member's day: `labrun new` makes a project, whose `make train` and `make test` run;
+in it, a local sweep, a rerun, a config review across its commits, export and serving of its
+run, and a run on the test cluster from a snapshot of the project's repository."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,15 +21,22 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import httpx
 import pytest
+from packaging.specifiers import SpecifierSet
 
-from conftest import PROJECT, PYTHON, read_summary
+from conftest import PROJECT, PYTHON, built_once, digit_jpeg, read_summary, slurm_configured
+from labrun.deploy.served import serving
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def installed(tmp_path_factory) -> Path:
-    """A new environment with labrun's wheel installed; its bin/ folder."""
-    folder = tmp_path_factory.mktemp("installed")
+    """A new environment with labrun's wheel installed, built once for every worker; its
+    bin/ folder."""
+    return built_once(tmp_path_factory, "installed-wheel", install_the_wheel) / "venv" / "bin"
+
+
+def install_the_wheel(folder: Path) -> None:
     build = subprocess.run([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                             "-q", "-w", str(folder / "wheels"), str(PROJECT)],
                            capture_output=True, text=True, timeout=300)
@@ -49,17 +61,50 @@ def installed(tmp_path_factory) -> Path:
                               "install", "--no-deps", "-q", str(wheel)],
                              capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr[-3000:]
-    return venv / "bin"
+
+
+@pytest.fixture(scope="session")
+def plant_project(installed, tmp_path_factory) -> Path:
+    """`labrun new plant-disease --task classification` by the installed tool, then its
+    `make train` (its folder's project/ and run/), made once for every worker."""
+    return built_once(tmp_path_factory, "plant-project",
+                      lambda folder: make_and_train(installed, folder))
+
+
+def make_and_train(installed: Path, folder: Path) -> None:
+    made = run(installed, "labrun", "new", "plant-disease", "--task", "classification",
+               cwd=folder)
+    assert made.returncode == 0, made.stderr
+    trained = run(installed, "make", "train", f"ARGS={' '.join(TINY)} "
+                  f"hydra.run.dir={folder / 'run'}", cwd=folder / "plant-disease")
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "stand in for the data" in trained.stderr  # data/raw is empty: the digits stand in
+    (folder / "project").symlink_to(folder / "plant-disease")
+
+
+# The project's runs: a few steps, read back from files.
+TINY = ["trainer.max_steps=3", "trainer.max_epochs=null", "logger=csv"]
+
+
+def environment_of(bin_dir: Path) -> dict[str, str]:
+    """The environment of a shell that activated `bin_dir`'s environment."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return {**env, "PATH": os.pathsep.join([str(bin_dir), env.get("PATH", "")]),
+            "PYTHONNOUSERSITE": "1"}
 
 
 def run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """A command of the new environment, as a person who activated it types it."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
     command = args[0] if args[0] == "make" else str(bin_dir / args[0])
     return subprocess.run([command, *args[1:]], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**env, "PYTHONNOUSERSITE": "1"})
+                          timeout=300, env=environment_of(bin_dir))
+
+
+def provenance(run_dir: Path) -> dict[str, dict]:
+    """A run's provenance/ files, by name."""
+    return {path.stem: json.loads(path.read_text())
+            for path in (run_dir / "provenance").glob("*.json")}
 
 
 def test_the_wheel_imports_labrun_from_itself_with_a_version_from_git(installed, tmp_path):
@@ -116,14 +161,12 @@ def test_python_train_py_and_labrun_train_compose_the_same_config(tmp_path):
 
 
 def test_labrun_new_makes_a_project_that_trains_and_tests_with_its_own_make(installed,
-                                                                           tmp_path):
+                                                                           plant_project):
     """`labrun new` from the installed tool, then the project's own `make train` and `make
     test` in the environment labrun is installed in (no second torch), training the project's
-    model on its data, with its task, recorded under the project's commit."""
-    made = run(installed, "labrun", "new", "plant-disease", "--task", "classification",
-               cwd=tmp_path)
-    assert made.returncode == 0, made.stderr
-    project = tmp_path / "plant-disease"
+    model on its data, with its task, recorded under the project's commit and labrun's
+    version."""
+    project, run_dir = plant_project / "project", plant_project / "run"
     head = subprocess.run(["git", "log", "--format=%H"], cwd=project, capture_output=True,
                           text=True).stdout.split()
     assert len(head) == 1  # the first commit, whatever git's identity here
@@ -131,20 +174,22 @@ def test_labrun_new_makes_a_project_that_trains_and_tests_with_its_own_make(inst
             "pyproject.toml"} <= {p.name for p in project.iterdir()}
     assert (project / ".github" / "workflows" / "config-review.yml").is_file()
     assert (project / "data" / "raw").is_dir() and (project / "data" / "processed").is_dir()
-    assert "labrun>=" in (project / "pyproject.toml").read_text()
+    version = run(installed, "python", "-c", "import labrun; print(labrun.__version__)",
+                  cwd=project).stdout.strip()
+    wanted = re.search(r'"labrun(\S+)"', (project / "pyproject.toml").read_text()).group(1)
+    # The range admits the labrun that made it, a development build's version included.
+    assert SpecifierSet(wanted).contains(version, prereleases=True), (wanted, version)
 
-    run_dir = tmp_path / "run"
-    trained = run(installed, "make", "train", f"ARGS=trainer.max_steps=3 trainer.max_epochs=null "
-                  f"logger=csv hydra.run.dir={run_dir}", cwd=project)
-    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
-    assert "stand in for the data" in trained.stderr  # data/raw is empty: the digits stand in
     assert read_summary(run_dir)["status"] == "completed"
     config = (run_dir / ".hydra" / "config.yaml").read_text()
     for target in ("plant_disease.model.Net", "plant_disease.data.load",
                    "plant_disease.task.Task"):
         assert f"_target_: {target}" in config
-    git = json.loads((run_dir / "provenance" / "git.json").read_text())
-    assert (git["commit"], git["dirty"]) == (head[0], False)
+    recorded = provenance(run_dir)
+    assert (recorded["git"]["project"], recorded["git"]["commit"], recorded["git"]["dirty"]) == (
+        "plant-disease", head[0], False)
+    assert (recorded["labrun"]["version"], recorded["labrun"]["checkout"]) == (version, None)
+    assert Path(recorded["labrun"]["path"]).is_relative_to(installed.parent)
 
     tested = run(installed, "make", "test", cwd=project)
     assert tested.returncode == 0, tested.stdout[-3000:] + tested.stderr[-3000:]
@@ -152,3 +197,75 @@ def test_labrun_new_makes_a_project_that_trains_and_tests_with_its_own_make(inst
     status = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True,
                             text=True).stdout
     assert status == ""  # data/, outputs/ and the install stamp are ignored
+
+
+def test_a_project_sweeps_reruns_reviews_exports_and_serves_with_the_installed_tool(
+        installed, plant_project, tmp_path):
+    """In the project, with labrun installed from the wheel: a local -m sweep of its model, a
+    rerun that reproduces its run bit for bit, a config review across two of its commits,
+    and its run exported, served and asked, through its task's deploy hooks."""
+    project, run_dir = plant_project / "project", plant_project / "run"
+    swept = run(installed, "labrun", "train", "-m", *TINY, "model.width=8,16",
+                f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=project)
+    assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
+    for num, width in enumerate((8, 16)):
+        assert read_summary(tmp_path / "sweep" / str(num))["status"] == "completed"
+        assert f"width: {width}" in (tmp_path / "sweep" / str(num) / ".hydra" / "config.yaml"
+                                     ).read_text()
+
+    again = tmp_path / "again"
+    rerun = run(installed, "labrun", "rerun", "--exec", str(run_dir), f"hydra.run.dir={again}",
+                cwd=project)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "warning" not in rerun.stderr  # the same commit, the same labrun
+    same = run(installed, "labrun", "compare", "--exact", str(run_dir), str(again), cwd=project)
+    assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
+
+    # Two commits of the project (in a clone, leaving the project as the other tests see it).
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(project), str(clone)], check=True, timeout=60)
+    model = clone / "conf" / "model" / "plant_disease.yaml"
+    model.write_text(model.read_text().replace("width: 16", "width: 24"))
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "wider"],
+                   cwd=clone, check=True, timeout=60)
+    reviewed = run(installed, "labrun", "configs", "review", "HEAD~1", cwd=clone)
+    assert reviewed.returncode == 0, reviewed.stdout[-3000:] + reviewed.stderr[-3000:]
+    assert "model.width: 16 -> 24  [changes results" in reviewed.stdout
+    assert "fails" not in reviewed.stdout  # each side composed, the project's over labrun's
+
+    exported = run(installed, "labrun", "export", str(run_dir), "--out",
+                   str(tmp_path / "plant.onnx"), cwd=project)
+    assert exported.returncode == 0, exported.stdout[-3000:] + exported.stderr[-3000:]
+    with serving(tmp_path / "plant.onnx", tmp_path / "serve.log", cwd=project,
+                 python=str(installed / "python"), env=environment_of(installed)) as served:
+        health = httpx.get(f"{served.url}/health", timeout=10).json()
+        metadata = httpx.get(f"{served.url}/metadata", timeout=10).json()
+        answer = httpx.post(f"{served.url}/predict", files={"file": ("3.jpg", digit_jpeg())},
+                            timeout=30)
+    # The project's task names its deploy hooks (labrun's classification, which it subclasses).
+    assert (metadata["deploy"], health["num_classes"]) == ("labrun.tasks.classification", 10)
+    assert answer.status_code == 200 and len(answer.json()["top"]) == 5, answer.text
+
+
+@pytest.mark.slurm
+def test_a_project_run_on_the_cluster_trains_its_own_model_from_its_snapshot(
+        installed, plant_project, tmp_path):
+    """`labrun train cluster=slurm_dev` in the project: one job of the test cluster, which
+    runs the project's code from its snapshot (RUN/.code/) and labrun from the installed
+    package, and trains the project's model."""
+    if not slurm_configured():
+        pytest.fail("no SLURM cluster: `make test` as root starts one (scripts/slurm_up.sh)")
+    project, run_dir = plant_project / "project", tmp_path / "run"
+    sent = run(installed, "labrun", "train", "cluster=slurm_dev", *TINY,
+               f"hydra.run.dir={run_dir}", cwd=project)
+    assert sent.returncode == 0, sent.stdout[-3000:] + sent.stderr[-3000:]
+    assert read_summary(run_dir)["status"] == "completed"
+    assert "_target_: plant_disease.model.Net" in (run_dir / ".hydra" / "config.yaml").read_text()
+    recorded = provenance(run_dir)
+    (snapshot,) = (run_dir / ".code").iterdir()
+    assert (snapshot / "src" / "plant_disease" / "model.py").is_file()
+    assert not (snapshot / "src" / "labrun").exists()  # the project's code, not labrun's
+    assert recorded["environment"]["slurm"]["SLURM_JOB_ID"]
+    assert (recorded["git"]["project"], recorded["git"]["path"]) == ("plant-disease",
+                                                                     str(snapshot))
+    assert Path(recorded["labrun"]["path"]).is_relative_to(installed.parent)

@@ -5,11 +5,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
+import labrun
 from conftest import LABRUN
 from labrun.config import layers
 from labrun.core.errors import LabrunError
@@ -142,3 +146,43 @@ def test_a_projects_own_packages_are_trusted_as_labruns_are(project, tmp_path, m
     assert hooks.untrusted("mylab_other.Net", "model._target_") is not None
     monkeypatch.chdir(tmp_path)  # outside the project, its code is anyone's
     assert "LABRUN_TRUSTED_MODULES=mylab" in str(hooks.untrusted("mylab.models.Net", "model"))
+
+
+def test_configs_check_in_a_project_checks_its_options_and_names_their_files(project, capsys):
+    """`labrun configs check` in a project: labrun's options and the project's, each
+    composed over the project's defaults; a broken option of the project is named by its
+    file (before, only labrun's own folder was read: the project's options went unchecked)."""
+    from labrun.review.check import check
+
+    write(project / "conf" / "model" / "mynet.yaml",
+          "defaults:\n  - simple_cnn\n  - _self_\nwidht: 8\n")  # a typo
+    write(project / "conf" / "experiment" / "quick.yaml",
+          "# @package _global_\ntrainer:\n  max_epochs: 1\n")
+    assert check(LABRUN_CONF) == 1
+    out = capsys.readouterr().out
+    labrun_options = sum(1 for path in LABRUN_CONF.rglob("*.yaml")
+                         if len(parts := path.relative_to(LABRUN_CONF).parts) > 1
+                         and parts[0] != "hydra")
+    assert f"{project / 'conf' / 'model' / 'mynet.yaml'}: model.widht: no such key" in out, out
+    # Labrun's options, the defaults, and the project's two: each counted once.
+    count = int(re.search(r"in 1 of (\d+) configs composed from (\S+) over (\S+)", out).group(1))
+    assert count == labrun_options + 1 + 2, out
+
+
+def test_a_run_records_its_project_labrun_and_the_lab_files_that_composed_it(lab, project,
+                                                                            tmp_path):
+    run_dir = tmp_path / "run"
+    trained = subprocess.run([LABRUN, "train", "trainer.max_steps=1", "trainer.max_epochs=null",
+                              "logger=csv", "dataset.num_workers=0",
+                              "trainer.limit_val_batches=1", f"hydra.run.dir={run_dir}"],
+                             capture_output=True, text=True, timeout=300, cwd=project)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    recorded = {name: json.loads((run_dir / "provenance" / f"{name}.json").read_text())
+                for name in ("git", "labrun", "site")}
+    assert (recorded["git"]["project"], recorded["git"]["path"]) == ("my-project", str(project))
+    assert recorded["labrun"]["version"] == labrun.__version__
+    assert Path(recorded["labrun"]["path"]) == Path(labrun.__file__).parent
+    default = lab / "conf" / "site" / "default.yaml"
+    # cluster=local: the lab's cluster/lab.yaml did not compose this run, and is not named.
+    assert recorded["site"] == {"conf": str(lab / "conf"), "files": {
+        "site/default.yaml": hashlib.sha256(default.read_bytes()).hexdigest()}}

@@ -135,8 +135,11 @@ def test_rerun_prints_the_command_and_warns_about_differences(digits_run, tmp_pa
     shutil.copytree(digits_run, copy, ignore=shutil.ignore_patterns("checkpoints"))
     packages = copy / "provenance" / "packages.txt"
     packages.write_text(packages.read_text().replace("torch==", "torch==0.0.1-was-"))
+    tool = copy / "provenance" / "labrun.json"
+    tool.write_text(json.dumps({**json.loads(tool.read_text()), "version": "0.0.1"}))
     result = run_labrun("rerun", str(copy))
     assert "packages differ" in result.stderr and "torch" in result.stderr
+    assert "labrun version differs: run 0.0.1, now" in result.stderr
     command = result.stdout.strip()
     assert command.split()[1].endswith("train.py") and "trainer.max_epochs=3" in command
     assert "hydra.run.dir" not in command  # a new folder, from scratch

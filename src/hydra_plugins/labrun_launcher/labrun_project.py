@@ -9,14 +9,14 @@ plugins only in `hydra_plugins`."""
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-from labrun.core.project import project_dir, site_dir
+from labrun.core.project import layer_conf_dirs, site_dir
 
 
 class LabrunProjectSearchPath(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        site = site_dir()  # a LABRUN_SITE that is no such folder: one line, before anything
-        if site is not None:
-            search_path.prepend(provider="labrun-site", path=f"file://{site / 'conf'}")
-        project = project_dir()
-        if project is not None and (project / "conf").is_dir():
-            search_path.prepend(provider="labrun-project", path=f"file://{project / 'conf'}")
+        # A LABRUN_SITE that is no such folder: one line, before anything.
+        site = site_dir()
+        site_conf = (site / "conf").resolve() if site is not None else None
+        for folder in reversed(layer_conf_dirs()):  # prepended: the lab's, then the project's
+            provider = "labrun-site" if folder == site_conf else "labrun-project"
+            search_path.prepend(provider=provider, path=f"file://{folder}")

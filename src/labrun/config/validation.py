@@ -45,8 +45,9 @@ READ_VALIDATION_ONLY = ("labrun.train.callbacks.EarlyStopping",
 
 def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
     """Raise ConfigError naming the first key that cannot work, and how to fix it.
-    read_data=False leaves out the task's check of the data's own files (check_task), for a
-    config whose paths stand in for what the command line will give (`labrun configs check`)."""
+    read_data=False leaves out what reads the machine's files (that path keys exist, and the
+    task's check of the data's own files, check_task), for a config whose paths stand in for
+    what the command line or another machine will give (`labrun configs check`, `review`)."""
     check_keys(cfg)
     declared = all_facts()  # each key's facts, as its schema field states them
     for dotted, facts in declared.items():
@@ -87,7 +88,7 @@ def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
             f"{world_size} (trainer.devices x trainer.num_nodes)")
     for dotted, facts in declared.items():
         if facts.must_exist:
-            _check_exists(cfg, dotted)
+            _check_exists(cfg, dotted, read_data)
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).is_file():
         raise ConfigError(
@@ -315,7 +316,9 @@ def _check_choice(cfg: DictConfig, dotted: str, choices: tuple[str, ...]) -> Non
         raise ConfigError(f"{dotted}={value} is not one of: {', '.join(choices)}")
 
 
-def _check_exists(cfg: DictConfig, key: str) -> None:
+def _check_exists(cfg: DictConfig, key: str, read_data: bool) -> None:
+    """A required path key is given (`???` left is refused either way) and, when the machine's
+    files are read, exists."""
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(cfg, parent)
     if not isinstance(node, DictConfig) or leaf not in node.keys():
@@ -324,8 +327,8 @@ def _check_exists(cfg: DictConfig, key: str) -> None:
         raise ConfigError(f"{key} is required with {parent}={_option_name(cfg, parent)}; "
                           f"add {key}=...")
     value = node[leaf]
-    if value is None or (key == "dataset.root" and node.get("download")):
-        return  # unset, or downloaded on first use
+    if value is None or (key == "dataset.root" and node.get("download")) or not read_data:
+        return  # unset, downloaded on first use, or not this machine's to judge
     if not Path(value).exists():
         raise ConfigError(f"{key}={value}: no such file or folder; check the path")
 

@@ -9,9 +9,12 @@ either out.
                       pyproject.toml has a [tool.labrun] table (labrun's own repository has
                       one; a cluster job's snapshot of a project does too); None outside any
                       project
+    project_name()    its name, as its pyproject.toml gives it
     own_packages()    the project's own packages, trusted as labrun's own modules are
     site_dir()        the lab's folder, LABRUN_SITE: what the lab sets once for everyone, in
                       its conf/ (site/default.yaml, site/cluster/lab.yaml...); None unset
+    layer_conf_dirs() the config folders over labrun's, as Hydra searches them: the project's
+                      conf/, then the lab's
     TRAIN_COMMAND     `labrun train` as a subprocess
 """
 
@@ -71,6 +74,15 @@ def site_dir() -> Path | None:
     return site
 
 
+def layer_conf_dirs() -> list[Path]:
+    """The project's conf/ and the lab's, those that exist, in the order Hydra's search path
+    has them (hydra_plugins/labrun_launcher/labrun_project.py puts them there)."""
+    project, site = project_dir(), site_dir()
+    folders = [project / "conf" if project is not None else None,
+               site / "conf" if site is not None else None]
+    return [folder.resolve() for folder in folders if folder is not None and folder.is_dir()]
+
+
 # A [tool.labrun] table or one of its sub-tables; read as text, as tomllib is Python 3.11's.
 DECLARATION = re.compile(r"^\s*\[tool\.labrun[.\]]", re.MULTILINE)
 
@@ -82,6 +94,20 @@ def own_packages(project: Path | None) -> tuple[str, ...]:
         return ()
     code = project / "src" if (project / "src").is_dir() else project
     return tuple(sorted(init.parent.name for init in code.glob("*/__init__.py")))
+
+
+PROJECT_TABLE = re.compile(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", re.MULTILINE | re.DOTALL)
+NAME_LINE = re.compile(r"""^name\s*=\s*["']([^"']+)""", re.MULTILINE)
+
+
+def project_name(project: Path) -> str:
+    """The project's name: its pyproject.toml's [project] name, else its folder's."""
+    try:
+        table = PROJECT_TABLE.search((project / "pyproject.toml").read_text())
+    except (OSError, UnicodeDecodeError):
+        table = None
+    name = NAME_LINE.search(table.group(1)) if table else None
+    return name.group(1) if name else project.name
 
 
 def declares_project(pyproject: Path) -> bool:

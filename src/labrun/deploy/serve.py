@@ -1,6 +1,6 @@
 """`labrun serve MODEL`: an exported model behind FastAPI on uvicorn, its routes its task's.
 
-    GET  /health     {"status": "ok", "task", "format", "device", ...}
+    GET  /health     {"status": "ok", "model", "format", "device", ...and the task's fields}
     GET  /metadata   the metadata JSON written by `labrun export`
     GET  /metrics    Prometheus metrics, of all --workers (labrun.monitoring.serve_metrics)
 

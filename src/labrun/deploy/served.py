@@ -43,13 +43,15 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(model: str | Path, log: Path, *, args: Sequence[str] = (), cwd: Path | None = None,
-            env: dict[str, str] | None = None, timeout_s: float = 120) -> Iterator[Served]:
-    """`labrun serve MODEL` on a free 127.0.0.1 port, until /health answers; stopped by PID."""
+            env: dict[str, str] | None = None, timeout_s: float = 120,
+            python: str = sys.executable) -> Iterator[Served]:
+    """`labrun serve MODEL` on a free 127.0.0.1 port, until /health answers; stopped by PID.
+    `python`: the environment whose labrun serves (default: this one)."""
     import httpx
 
     port = free_port()
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "labrun.cli", "serve", str(model),
+        process = subprocess.Popen([python, "-m", "labrun.cli", "serve", str(model),
                                     "--port", str(port), *args], cwd=cwd, env=env,
                                    stdout=out, stderr=subprocess.STDOUT)
     served = Served(f"http://127.0.0.1:{port}", port, process)

@@ -20,6 +20,10 @@ its default) and apptainer pass them on to the training process. With the host's
 the process ids a run-folder lock records are the host's, so its liveness checks hold
 (runs/lock.py).
 
+The image runs the labrun version that submitted the job (installed in it, or the host's
+environment mounted, as the test cluster does): a task whose image has another refuses to
+start, in one line (check_labrun_version).
+
 Requeueing from inside: on USR2 submitit checkpoints, then runs `scontrol requeue JOB`, and the
 image has no SLURM client (nor the cluster's munge key, nor a build of it that matches the
 cluster's). So the job's Python puts labrun's relay first on its PATH (relay_requeues): an
@@ -38,7 +42,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+import labrun
 from labrun.config import facts
+from labrun.core.errors import LabrunError
 from labrun.core.files import atomic_path
 from labrun.core.scheduler import SlurmScheduler
 from labrun.runs.provenance import CONTAINER_DIGEST_ENV as DIGEST_ENV
@@ -147,6 +153,18 @@ def relay_requeues() -> None:
     relay = os.environ.get(RELAY_ENV)
     if relay:
         os.environ["PATH"] = relay + os.pathsep + os.environ.get("PATH", "")
+
+
+def check_labrun_version(submitted: str | None) -> None:
+    """In a task of a cluster.container job: the image runs the labrun version that submitted
+    the job (its code, configs and pickles are that version's), or the task stops here, in one
+    line, which the sweep's table shows."""
+    image = os.environ.get(IMAGE_ENV)
+    if image and submitted and labrun.__version__ != submitted:
+        raise LabrunError(f"cluster.container.image={image} runs labrun {labrun.__version__}, "
+                          f"but the job was submitted with labrun {submitted}; install "
+                          f"labrun=={submitted} in the image (the lab's wheel), or submit "
+                          f"with the labrun the image has")
 
 
 def python_command(container: DictConfig, binds: list[str], folder: Path) -> str:

@@ -31,6 +31,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, run_job
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import labrun
 from labrun.config import facts
 from labrun.core import environment, probes
 from labrun.core.errors import LabrunError, one_line
@@ -291,8 +292,11 @@ class ArrayTask:
     def __init__(self, sweep_dir: Path, submitted_from: str):
         self.sweep_dir, self.submitted_from = sweep_dir, submitted_from
         self.shared: Path | None = None  # the submission's launcher file, once written
+        self.labrun_version = labrun.__version__  # the submitter's, which the job must run
 
     def __call__(self, config: bytes) -> JobReturn:
+        # Before the launcher's pickle, which another labrun may not read.
+        container.check_labrun_version(getattr(self, "labrun_version", None))
         with open(self.shared, "rb") as f:
             launcher, state = pickle.load(f)
         config = pickle.loads(config)

@@ -1,8 +1,10 @@
 """`labrun configs check`: compose the primary config with its defaults, then every option of
 every config group (experiment presets included) on top of the defaults, as `python train.py
 group=option` would, and validate each against the schemas and `labrun.config.validation.validate`.
-Prints one line per problem, `FILE: KEY: what is wrong`, then a count; exits 1 when anything
-fails."""
+In a project, the options are its conf/'s and the lab's (LABRUN_SITE/conf) as well as labrun's,
+an option of the same name counted once, from the layer that replaces the others (the search
+path's order). Prints one line per problem, `FILE: KEY: what is wrong`, then a count; exits 1
+when anything fails."""
 
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ from labrun.config import schema as config
 from labrun.config.messages import user_error_message
 from labrun.config.resolve import PRIMARY, Leaves, flatten, hydra_context
 from labrun.core.errors import ConfigError, first_line
+from labrun.core.project import layer_conf_dirs
 
-# Hydra's own settings and the untracked per-user overrides are not options people review.
-SKIPPED_GROUPS = ("hydra", "local")
+# Hydra's own settings and the untracked per-user overrides are not options people review; the
+# lab's and the project's layer files (site/, project/) are in every config checked.
+SKIPPED_GROUPS = ("hydra", "local", "site", "project")
 
 
 @dataclass(frozen=True)
@@ -51,13 +55,15 @@ class Target:
 
 def check(config_dir: Path, config_name: str = PRIMARY) -> int:
     config_dir = config_dir.resolve()
+    # The search path, first match wins: the project's conf/, the lab's, then `config_dir`.
+    folders = [*(d for d in layer_conf_dirs() if d != config_dir), config_dir]
     problems: dict[Problem, None] = {}  # ordered and deduplicated: one line per problem
     failed = 0
     with hydra_context(config_dir, config_name), tempfile.TemporaryDirectory() as placeholder:
-        targets = list(check_targets(config_dir, config_name))
+        targets = list(check_targets(folders, config_name))
         baseline: set[tuple[str, str]] = set()
         for index, target in enumerate(targets):
-            found = check_one(target, config_dir, config_name, placeholder)
+            found = check_one(target, folders, config_name, placeholder)
             if index == 0:
                 baseline = {(p.key, p.what) for p in found}
             elif found:
@@ -67,7 +73,7 @@ def check(config_dir: Path, config_name: str = PRIMARY) -> int:
             problems.update(dict.fromkeys(found))
     for problem in problems:
         print(problem)
-    where = _shown(config_dir)
+    where = " over ".join(_shown(folder) for folder in folders)
     if problems:
         print(f"configs check: {len(problems)} problem(s) in {failed} of {len(targets)} "
               f"configs composed from {where}")
@@ -76,22 +82,32 @@ def check(config_dir: Path, config_name: str = PRIMARY) -> int:
     return 0
 
 
-def check_targets(config_dir: Path, config_name: str):
-    """The defaults first, then every option of every group, as `group=option`."""
-    listed = _defaults_list(config_dir / f"{config_name}.yaml")
+def check_targets(folders: list[Path], config_name: str):
+    """The defaults first, then every option of every group, as `group=option`; `folders`
+    in search path order, the primary config's last."""
+    primary = folders[-1] / f"{config_name}.yaml"
+    listed = _defaults_list(primary)
     # conf/local/ holds one person's untracked settings: check the tree as everyone gets it.
     local = listed.get("local")
-    base = ("~local",) if local and (config_dir / "local" / f"{local}.yaml").is_file() else ()
-    yield Target(base, config_dir / f"{config_name}.yaml")
+    base = ("~local",) if local and _find(folders, "local", local) else ()
+    yield Target(base, primary)
     in_defaults = set(listed) | _chosen_groups(config_name, base)
-    for path in sorted(config_dir.rglob("*.yaml")):
-        parts = path.relative_to(config_dir).parts
-        if len(parts) < 2 or parts[0] in SKIPPED_GROUPS:
-            continue
-        group, option = "/".join(parts[:-1]), path.stem
+    options: dict[tuple[str, str], Path] = {}
+    for folder in folders:
+        for path in sorted(folder.rglob("*.yaml")):
+            parts = path.relative_to(folder).parts
+            if len(parts) >= 2 and parts[0] not in SKIPPED_GROUPS:
+                options.setdefault(("/".join(parts[:-1]), path.stem), path)
+    for (group, option), path in sorted(options.items()):
         # A group the defaults list does not name is added with `+`, as on the command line.
         plus = "" if group in in_defaults else "+"
         yield Target((*base, f"{plus}{group}={option}"), path)
+
+
+def _find(folders: list[Path], group: str, option: str) -> Path | None:
+    """The file Hydra composes for `group=option`: the first folder's on the search path."""
+    return next((path for folder in folders
+                 if (path := folder / group / f"{option}.yaml").is_file()), None)
 
 
 def _defaults_list(primary: Path) -> dict[str, str | None]:
@@ -118,7 +134,7 @@ def _chosen_groups(config_name: str, base: tuple[str, ...]) -> set[str]:
     return set(cfg.hydra.runtime.choices.keys())
 
 
-def check_one(target: Target, config_dir: Path, config_name: str, placeholder: str
+def check_one(target: Target, folders: list[Path], config_name: str, placeholder: str
               ) -> list[Problem]:
     file = _shown(target.file)
     try:
@@ -126,11 +142,11 @@ def check_one(target: Target, config_dir: Path, config_name: str, placeholder: s
     except yaml.YAMLError as error:
         return [yaml_problem(error, file)]
     except Exception as error:  # whatever stops composition is this config's problem
-        return [composition_problem(error, config_dir, file)]
+        return [composition_problem(error, folders, file)]
     choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]
-    sources = Sources(config_dir, config_name, choices, target.file)
+    sources = Sources(folders, config_name, choices, target.file)
     leaves = flatten(cfg)
     problems = [Problem(sources.owner(key), key, f"cannot resolve: {message}")
                 for key, message in leaves.broken.items()]
@@ -160,14 +176,15 @@ def _validation_problem(cfg: DictConfig, file: str) -> Problem | None:
     return None
 
 
-def composition_problem(error: Exception, config_dir: Path, file: str) -> Problem:
+def composition_problem(error: Exception, folders: list[Path], file: str) -> Problem:
     """FILE, KEY and what is wrong, from Hydra's composition error."""
     text = str(error)
     # Hydra names the file that failed ("In 'optimizer/sgd': ..."): more precise than the
     # option being checked when, say, an experiment preset pulls in a broken option.
     source = re.match(r"In '([^']+)'", text)
-    if source and "/" in source.group(1) and (config_dir / f"{source.group(1)}.yaml").is_file():
-        file = _shown(config_dir / f"{source.group(1)}.yaml")
+    named = source.group(1).rpartition("/") if source and "/" in source.group(1) else None
+    if named and (found := _find(folders, named[0], named[2])):
+        file = _shown(found)
     if isinstance(error, MissingConfigException):
         group = re.search(r"Could not find '/?([^']+)/[^'/]+'", text)
         key = f"defaults ({group.group(1)})" if group else "defaults"
@@ -218,13 +235,13 @@ def _key_of(message: str) -> str:
 class Sources:
     """The YAML files one composed config came from, to name the file behind a key."""
 
-    def __init__(self, config_dir: Path, config_name: str, choices: dict, checked: Path):
+    def __init__(self, folders: list[Path], config_name: str, choices: dict, checked: Path):
         self.checked = checked
-        self.primary = config_dir / f"{config_name}.yaml"
+        self.primary = folders[-1] / f"{config_name}.yaml"
         self.files = [(self.primary, "")]  # (file, the package its keys land in)
         for group, option in choices.items():
-            path = config_dir / group / f"{option}.yaml"
-            if option and not group.startswith("hydra") and path.is_file():
+            path = _find(folders, group, option) if option else None
+            if path is not None and not group.startswith("hydra"):
                 self.files.append((path, _package(path, group)))
         self.written: dict[str, list[Path]] = {}  # key -> the files that set it
         self.required: set[str] = set()  # keys a file sets to `???` on purpose (dataset.root)

@@ -1,6 +1,14 @@
-"""The two sides of a config review: a git revision's conf/ and src/ (read with `git archive`
-into a temporary folder, never touching the work tree) or the work tree itself, each composed
-by labrun.review.compose_side in a subprocess with that side's src/ first on PYTHONPATH."""
+"""The two sides of a config review: a git revision's conf/, src/ and pyproject.toml (read
+with `git archive` into a temporary folder, never touching the work tree) or the work tree
+itself, each composed by labrun.review.compose_side in a subprocess with that side's src/ first
+on PYTHONPATH.
+
+A side whose conf/ holds the primary config (labrun's own repository) is composed from it. A
+project's conf/ is a layer over labrun's groups: its side is composed from the installed
+labrun's groups, run in the side's folder, where its pyproject.toml makes it the project whose
+conf/ the search path plugin puts first (hydra_plugins/labrun_launcher/labrun_project.py), as
+`labrun train` composes it. Both of a project's sides use the one installed labrun: reviewing a
+labrun upgrade itself is out of scope."""
 
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from labrun.core.errors import LabrunError, first_line
+from labrun.core.project import LABRUN_CONF
 
 ENTRY = "labrun.review.compose_side"
 ENTRY_FILE = Path(__file__).with_name("compose_side.py")
@@ -47,6 +56,11 @@ class Side:
     @property
     def src(self) -> Path:
         return self.root / "src"
+
+    def primary_dir(self, config_name: str) -> Path:
+        """The folder composition starts from: this side's conf/ where it holds the primary
+        config, else the installed labrun's groups (a project's side)."""
+        return self.conf if (self.conf / f"{config_name}.yaml").is_file() else LABRUN_CONF
 
 
 @dataclass
@@ -112,7 +126,7 @@ def checkout(repo: Path, rev: str | None) -> Iterator[Side]:
     if "conf" not in present and not git(repo, "ls-tree", commit, CONF_PLACES[1]).strip():
         raise LabrunError(f"{rev} has no conf/ folder; give a revision of this project")
     with tempfile.TemporaryDirectory(prefix="labrun-review-") as folder:
-        paths = [p for p in ("conf", "src") if p in present]
+        paths = [p for p in ("conf", "src", "pyproject.toml") if p in present]
         archive = subprocess.run(["git", "archive", "--format=tar", commit, "--", *paths],
                                  cwd=repo, capture_output=True, timeout=300)
         if archive.returncode != 0:
@@ -133,7 +147,7 @@ def start(side: Side, targets: list[dict[str, Any]], config_name: str) -> subpro
         [str(side.src), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("LABRUN_RUN_TOKEN", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, str(side.conf.resolve()), config_name,
+        [sys.executable, "-m", module, str(side.primary_dir(config_name).resolve()), config_name,
          json.dumps(targets)],
         cwd=side.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc

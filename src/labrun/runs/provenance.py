@@ -1,7 +1,14 @@
 """provenance/: what a run needs to be reproduced on another machine.
 
-    git.json          commit, branch, dirty flag of the working tree
-    git.diff          the uncommitted changes (tracked files), when the tree is dirty
+    git.json          the project: its name and folder, and the commit, branch and dirty flag
+                      of its working tree
+    git.diff          the project's uncommitted changes (tracked files), when its tree is dirty
+    labrun.json       the labrun that ran: its version and folder, and where that folder is a
+                      git checkout (installed editable, or a job's snapshot of labrun's own
+                      repository) its commit, branch and dirty flag
+    labrun.diff       that checkout's uncommitted changes, when it is dirty
+    site.json         the lab's layer (LABRUN_SITE): its conf/ folder and the sha256 of each of
+                      its files the run's config was composed from; absent without one
     packages.txt      installed distributions, `name==version`, read with importlib.metadata
     environment.json  python, torch, CUDA, cuDNN, NCCL, GPUs and driver, host, container,
                       the scheduler's ids (core.environment)
@@ -18,6 +25,7 @@ task ids, node list and task count).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -28,12 +36,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import labrun
 from labrun.core import environment as where
 from labrun.core import probes
+from labrun.core.project import project_name
 from labrun.core.secrets import redact
 
 # The files of a run's provenance/ folder (RunDir.provenance_dir).
 GIT, GIT_DIFF, PACKAGES = "git.json", "git.diff", "packages.txt"
+LABRUN, LABRUN_DIFF, SITE = "labrun.json", "labrun.diff", "site.json"
+SITE_PROVIDER = "labrun-site"  # the lab's folder on Hydra's search path (hydra_plugins/)
 ENVIRONMENT, COMMAND = "environment.json", "command.json"
 WEIGHTS = "weights.json"  # the starting weights' source, file and sha256 (fine-tuning)
 SPLIT = "split.json"  # how the val split was drawn: split_seed, num_folds, fold
@@ -57,6 +69,35 @@ def git_state(cwd: Path) -> dict[str, Any]:
     return {"commit": commit.strip(),
             "branch": (_git("rev-parse", "--abbrev-ref", "HEAD", cwd=cwd) or "").strip(),
             "dirty": bool(status.strip())}
+
+
+def labrun_state() -> dict[str, Any]:
+    """The labrun this process runs: its version and folder, and the git state of the
+    checkout that folder is in (src/labrun of a repository), None for an installed package."""
+    package = Path(labrun.__file__).resolve().parent
+    checkout = package.parents[1]
+    in_checkout = package.parent.name == "src" and (checkout / ".git").exists()
+    state = git_state(checkout) if in_checkout else {"commit": None, "branch": None,
+                                                     "dirty": None}
+    return {"version": labrun.__version__, "path": str(package),
+            "checkout": str(checkout) if in_checkout else None, **state}
+
+
+def site_files(composed: dict[str, Any]) -> dict[str, Any] | None:
+    """The lab's layer the run was composed with: its conf/ folder and the sha256 of each of
+    its files among the run's choices (`composed`: Hydra's config sources and choices), None
+    without one."""
+    folders = [source["path"] for source in composed.get("sources", [])
+               if source["provider"] == SITE_PROVIDER]
+    if not folders:
+        return None
+    folder = Path(folders[0])
+    files = {}
+    for group, option in composed.get("choices", {}).items():
+        path = folder / group.split("@")[0] / f"{option}.yaml"
+        if option is not None and path.is_file():
+            files[str(path.relative_to(folder))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"conf": str(folder), "files": dict(sorted(files.items()))}
 
 
 def installed_packages() -> list[str]:
@@ -109,17 +150,26 @@ def environment() -> dict[str, Any]:
 
 
 def write(folder: Path, overrides: list[str], project_dir: Path, argv: list[str], cwd: str,
-          weights: dict[str, Any] | None = None, split: dict[str, Any] | None = None
-          ) -> dict[str, Any]:
+          weights: dict[str, Any] | None = None, split: dict[str, Any] | None = None,
+          composed: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write provenance/ and return what W&B and the checkpoint also record; `argv` and
     `cwd`: the command that started the run, and where (`labrun rerun` runs it again);
     `weights`: where its starting weights came from (source, file, sha256), if not random;
-    `split`: how its val split was drawn, where the dataset draws one."""
+    `split`: how its val split was drawn, where the dataset draws one; `composed`: the
+    config sources and choices Hydra composed the run's config from."""
     folder.mkdir(parents=True, exist_ok=True)
-    git = git_state(project_dir)
+    git = {"project": project_name(project_dir), "path": str(project_dir),
+           **git_state(project_dir)}
     (folder / GIT).write_text(json.dumps(git, indent=2) + "\n")
     if git["dirty"]:
         (folder / GIT_DIFF).write_text(_git("diff", "HEAD", cwd=project_dir) or "")
+    tool = labrun_state()
+    (folder / LABRUN).write_text(json.dumps(tool, indent=2) + "\n")
+    if tool["dirty"] and tool["checkout"] != str(project_dir):  # else git.diff has it
+        (folder / LABRUN_DIFF).write_text(_git("diff", "HEAD", cwd=Path(tool["checkout"])) or "")
+    site = site_files(composed or {})
+    if site is not None:
+        (folder / SITE).write_text(json.dumps(site, indent=2) + "\n")
     (folder / PACKAGES).write_text("\n".join(installed_packages()) + "\n")
     env = environment()
     (folder / ENVIRONMENT).write_text(json.dumps(env, indent=2) + "\n")
@@ -132,7 +182,8 @@ def write(folder: Path, overrides: list[str], project_dir: Path, argv: list[str]
         (folder / SPLIT).write_text(json.dumps(split, indent=2) + "\n")
     started = ({"weights": weights["source"], "weights_sha256": weights["sha256"]}
                if weights else {})
-    return {**started,"git_commit": git["commit"], "git_dirty": git["dirty"], "host": env["hostname"],
+    return {**started, "project": git["project"], "git_commit": git["commit"],
+            "git_dirty": git["dirty"], "labrun": tool["version"], "host": env["hostname"],
             "slurm_job_id": where.read().job_id, "torch": env["torch"],
             "cuda": env["cuda"]}
 

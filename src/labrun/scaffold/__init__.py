@@ -112,12 +112,13 @@ def fill(text: str, values: dict[str, str]) -> str:
 
 
 def version_range(version: str) -> str:
-    """Compatible releases of the labrun that made the project: >=MAJOR.MINOR,<MAJOR+1 (below
-    1.0, <0.MINOR+1: a minor release may break)."""
+    """Compatible releases of the labrun that made the project: from its own version (its
+    public part: 0.1.dev57 from 0.1.dev57+g456f9af, which a >=0.1 would exclude) up to the next
+    major release (below 1.0, the next minor one: a minor release may break)."""
     numbers = [int(n) for n in re.findall(r"\d+", version)[:2]] + [0, 0]
     major, minor = numbers[:2]
     upper = f"{major + 1}" if major else f"0.{minor + 1}"
-    return f">={major}.{minor},<{upper}"
+    return f">={version.split('+')[0]},<{upper}"
 
 
 def first_commit(folder: Path) -> None:

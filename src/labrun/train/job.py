@@ -57,7 +57,8 @@ def train(cfg: DictConfig) -> float | None:
 
 
 def _train_run(cfg: DictConfig) -> float | None:
-    launch = {"overrides": hydra_overrides(), "sweep": sweep_info()}
+    launch = {"overrides": hydra_overrides(), "sweep": sweep_info(),
+              "composed": composed_from()}
     if distributed.launched_as_one_process(cfg.trainer):
         # trainer.devices=N on one machine: N processes, started the way torchrun does.
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
@@ -129,7 +130,8 @@ def _train(cfg: DictConfig, dist: distributed.Distributed, launch: dict[str, Any
                                     project_dir() or Path.cwd(),
                                     *started_by(),
                                     weights=start.record() if start is not None else None,
-                                    split=split_record(cfg.dataset))
+                                    split=split_record(cfg.dataset),
+                                    composed=launch.get("composed"))
     trainer = Trainer(cfg, dataset, model, folder=folder, checkpoints=checkpoints, dist=dist,
                       task=task)
     monitoring = start_monitoring(cfg, dist, folder, trainer, launch)
@@ -273,6 +275,17 @@ def with_newer_keys(saved: dict[str, Any], current: dict[str, Any]) -> dict[str,
 
 def hydra_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def composed_from() -> dict[str, Any]:
+    """The config sources (the search path) and the option of each group that composed this
+    run's config, as plain data: provenance names the lab's files among them."""
+    if not HydraConfig.initialized():
+        return {}
+    runtime = HydraConfig.get().runtime
+    return {"sources": [{"provider": source.provider, "path": source.path}
+                        for source in runtime.config_sources],
+            "choices": {group: option for group, option in runtime.choices.items()}}
 
 
 def started_by() -> tuple[list[str], str]:

@@ -59,14 +59,26 @@ def differences(run_dir: Path) -> list[str]:
     notes = []
     recorded_dir = RunDir(run_dir).provenance_dir
     git_file = recorded_dir / provenance.GIT
+    project = project_dir() or Path.cwd()
     if git_file.is_file():
         recorded = json.loads(git_file.read_text())
-        now = provenance.git_state(project_dir() or Path.cwd())
+        now = provenance.git_state(project)
         if recorded.get("commit") and recorded["commit"] != now["commit"]:
             notes.append(f"git commit differs: run {recorded['commit'][:10]}, "
                          f"now {str(now['commit'])[:10]}")
         if recorded.get("dirty"):
             notes.append(f"the run had uncommitted changes: {recorded_dir / provenance.GIT_DIFF}")
+    labrun_file = recorded_dir / provenance.LABRUN
+    if labrun_file.is_file():  # a run from before labrun recorded itself has packages.txt
+        recorded, now = json.loads(labrun_file.read_text()), provenance.labrun_state()
+        if recorded.get("version") != now["version"]:
+            notes.append(f"labrun version differs: run {recorded.get('version')}, now "
+                         f"{now['version']} (pip install labrun=={recorded.get('version')} "
+                         f"gives the run's)")
+        elif (recorded.get("commit") and now["commit"] and recorded["commit"] != now["commit"]
+              and now["checkout"] != str(project)):  # labrun's own repository: said above
+            notes.append(f"labrun's commit differs: run {recorded['commit'][:10]}, now "
+                         f"{now['commit'][:10]} ({now['checkout']})")
     packages_file = recorded_dir / provenance.PACKAGES
     if packages_file.is_file():
         recorded = set(packages_file.read_text().split())
