@@ -212,6 +212,16 @@ def test_a_project_sweeps_reruns_reviews_exports_and_serves_with_the_installed_t
         assert read_summary(tmp_path / "sweep" / str(num))["status"] == "completed"
         assert f"width: {width}" in (tmp_path / "sweep" / str(num) / ".hydra" / "config.yaml"
                                      ).read_text()
+    # The commands that read run folders, from the project: the sweep's state, its table, and
+    # what its finished jobs need not keep.
+    status = run(installed, "labrun", "status", str(tmp_path / "sweep"), cwd=project)
+    assert status.returncode == 0 and status.stdout.count("completed") >= 2, status.stdout
+    table = run(installed, "labrun", "compare", str(tmp_path / "sweep"), "--csv",
+                str(tmp_path / "table.csv"), cwd=project)
+    assert table.returncode == 0, table.stderr
+    assert len((tmp_path / "table.csv").read_text().splitlines()) == 3  # a header, two jobs
+    collected = run(installed, "labrun", "gc", str(tmp_path / "sweep"), "--dry-run", cwd=project)
+    assert collected.returncode == 0, collected.stdout + collected.stderr
 
     again = tmp_path / "again"
     rerun = run(installed, "labrun", "rerun", "--exec", str(run_dir), f"hydra.run.dir={again}",
@@ -220,6 +230,12 @@ def test_a_project_sweeps_reruns_reviews_exports_and_serves_with_the_installed_t
     assert "warning" not in rerun.stderr  # the same commit, the same labrun
     same = run(installed, "labrun", "compare", "--exact", str(run_dir), str(again), cwd=project)
     assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
+    # The run's best checkpoint evaluated again, by the project's task on its data (before,
+    # refused: the project's model section has no model.init_from to clear).
+    evaluated = run(installed, "labrun", "eval", str(again), "--split", "val", cwd=project)
+    assert evaluated.returncode == 0, evaluated.stdout[-2000:] + evaluated.stderr[-2000:]
+    scores = json.loads((again / "eval" / "plant_disease-val-best.json").read_text())["metrics"]
+    assert scores["val/acc"] == pytest.approx(read_summary(again)["best/val/acc"])
 
     # Two commits of the project (in a clone, leaving the project as the other tests see it).
     clone = tmp_path / "clone"

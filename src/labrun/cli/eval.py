@@ -86,11 +86,15 @@ def compose(folder, overrides: list[str]):
     try:
         with hydra_context(PROJECT_CONF, PRIMARY):
             cfg = hydra_compose(PRIMARY, overrides=[
-                *own, *overrides, f"paths.run_dir={folder.path}", "model.init_from=null",
+                *own, *overrides, f"paths.run_dir={folder.path}",
                 "trainer.limit_val_batches=null", "logger=none"])
     except Exception as error:  # Hydra's own error for an unknown option or key: one line
         raise LabrunError(first_line(str(error))) from None
+    # The checkpoint's weights, not the library's nor a file's (keys a project's own model
+    # section, without labrun's model schema, may not have).
     if cfg.model.get("pretrained"):
-        cfg.model.pretrained = False  # the checkpoint's weights, not the library's
+        cfg.model.pretrained = False
+    if cfg.model.get("init_from"):
+        cfg.model.init_from = None
     validation.validate(cfg)
     return cfg
