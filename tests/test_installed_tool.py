@@ -264,11 +264,11 @@ def test_a_project_sweeps_reruns_reviews_exports_and_serves_with_the_installed_t
 
 
 @pytest.mark.slurm
-def test_a_project_run_on_the_cluster_trains_its_own_model_from_its_snapshot(
+def test_a_project_run_and_sweep_on_the_cluster_train_its_own_model_from_its_snapshot(
         installed, plant_project, tmp_path):
     """`labrun train cluster=slurm_dev` in the project: one job of the test cluster, which
     runs the project's code from its snapshot (RUN/.code/) and labrun from the installed
-    package, and trains the project's model."""
+    package, and trains the project's model; with -m, a sweep of such jobs."""
     if not slurm_configured():
         pytest.fail("no SLURM cluster: `make test` as root starts one (scripts/slurm_up.sh)")
     project, run_dir = plant_project / "project", tmp_path / "run"
@@ -285,3 +285,15 @@ def test_a_project_run_on_the_cluster_trains_its_own_model_from_its_snapshot(
     assert (recorded["git"]["project"], recorded["git"]["path"]) == ("plant-disease",
                                                                      str(snapshot))
     assert Path(recorded["labrun"]["path"]).is_relative_to(installed.parent)
+
+    # A sweep of the project on the cluster: one array, each job the project's model.
+    sweep = tmp_path / "sweep"
+    swept = run(installed, "labrun", "train", "-m", "cluster=slurm_dev", *TINY,
+                "model.width=8,16", f"hydra.sweep.dir={sweep}", cwd=project)
+    assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
+    for num, width in enumerate((8, 16)):
+        assert read_summary(sweep / str(num))["status"] == "completed"
+        recorded = provenance(sweep / str(num))
+        assert recorded["git"]["project"] == "plant-disease" and recorded["environment"][
+            "slurm"]["SLURM_ARRAY_JOB_ID"]
+        assert f"width: {width}" in (sweep / str(num) / ".hydra" / "config.yaml").read_text()
