@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from labrun.config.resolve import PRIMARY, PROJECT_CONF
+from labrun.config.resolve import PRIMARY
+from labrun.core.project import LABRUN_CONF
 
 DIFF_HELP = """\
 A and B are each one of:
@@ -58,8 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         description="Compose the defaults, then every option of every config group and every "
                     "experiment preset, and validate each against the schemas. Prints one line "
                     "per problem (FILE: KEY: what is wrong) and exits 1 when anything fails.")
-    check.add_argument("--config-dir", type=Path, default=PROJECT_CONF,
-                       help="the config tree to check (default: this project's conf/)")
+    check.add_argument("--config-dir", type=Path, default=LABRUN_CONF,
+                       help="the primary config tree (default: labrun's groups, with this "
+                            "project's conf/ and the lab's over them)")
     check.add_argument("--config-name", default=PRIMARY,
                        help="the primary config in it (default: train)")
     diff = actions.add_parser(
@@ -69,8 +71,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         epilog=DIFF_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     diff.add_argument("a", metavar="A", help="a run folder or an override list (see below)")
     diff.add_argument("b", metavar="B", help="a run folder or an override list (see below)")
-    diff.add_argument("--config-dir", type=Path, default=PROJECT_CONF,
-                      help="the config tree override lists compose from (default: conf/)")
+    diff.add_argument("--config-dir", type=Path, default=LABRUN_CONF,
+                      help="the primary config tree override lists compose from (default: "
+                           "labrun's groups, with this project's conf/ and the lab's over them)")
     diff.add_argument("--config-name", default=PRIMARY,
                       help="the primary config in it (default: train)")
     diff.add_argument("--paths", action="store_true", help="compare paths.* too")
@@ -101,7 +104,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     show.add_argument("words", nargs="+", metavar="KEY|OVERRIDE",
                       help="keys to show (cluster.partition) and overrides to compose with "
                            "(cluster=lab, trainer.max_epochs=3): a word with '=' is an override")
-    show.add_argument("--config-dir", type=Path, default=PROJECT_CONF, help=argparse.SUPPRESS)
+    show.add_argument("--config-dir", type=Path, default=LABRUN_CONF, help=argparse.SUPPRESS)
     show.add_argument("--config-name", default=PRIMARY, help=argparse.SUPPRESS)
 
 

@@ -72,8 +72,9 @@ def compose(folder, overrides: list[str]):
     from hydra import compose as hydra_compose
 
     from labrun.config import validation
-    from labrun.config.resolve import PRIMARY, PROJECT_CONF, hydra_context
+    from labrun.config.resolve import PRIMARY, hydra_context
     from labrun.core.errors import LabrunError, first_line
+    from labrun.core.project import LABRUN_CONF
 
     own = folder.try_overrides()
     if own is None:
@@ -84,7 +85,7 @@ def compose(folder, overrides: list[str]):
     chosen = {o.split("=", 1)[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
     own = [o for o in own if o.lstrip("+~").split("=", 1)[0].split(".")[0] not in chosen]
     try:
-        with hydra_context(PROJECT_CONF, PRIMARY):
+        with hydra_context(LABRUN_CONF, PRIMARY):
             cfg = hydra_compose(PRIMARY, overrides=[
                 *own, *overrides, f"paths.run_dir={folder.path}",
                 "trainer.limit_val_batches=null", "logger=none"])

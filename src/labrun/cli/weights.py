@@ -37,11 +37,12 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from omegaconf import OmegaConf
 
-    from labrun.config.resolve import PRIMARY, PROJECT_CONF, hydra_context
+    from labrun.config.resolve import PRIMARY, hydra_context
     from labrun.core.errors import first_line
+    from labrun.core.project import LABRUN_CONF
 
     try:
-        with hydra_context(PROJECT_CONF, PRIMARY):
+        with hydra_context(LABRUN_CONF, PRIMARY):
             cfg = hydra_compose(PRIMARY, overrides=overrides)
     except Exception as error:  # Hydra's own error for an unknown option or key: one line
         raise LabrunError(first_line(str(error))) from None

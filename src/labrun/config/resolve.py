@@ -14,9 +14,7 @@ from omegaconf.errors import InterpolationToMissingValueError, OmegaConfBaseExce
 
 from labrun.config import schema as config
 from labrun.core.errors import LabrunError, first_line
-from labrun.core.project import LABRUN_CONF
 
-PROJECT_CONF = LABRUN_CONF  # the package's config groups
 PRIMARY = "train"
 
 

@@ -36,7 +36,7 @@ from labrun.config import facts
 from labrun.core import environment, probes
 from labrun.core.errors import LabrunError, one_line
 from labrun.core.files import atomic_path
-from labrun.core.project import project_dir
+from labrun.core.project import TRAIN_COMMAND, project_dir
 from labrun.core.scheduler import LIVE_STATES, SlurmScheduler
 from labrun.launch import SLURM_COMMENT_PREFIX, container, sweep
 from labrun.launch.slurm_limits import (
@@ -314,8 +314,8 @@ class ArrayTask:
 
 
 class StudyController:
-    """What a detached study's controller job runs: the study's own command (`python train.py
-    -m hparams_search=optuna ...`, attached), in a process of its own whose environment holds
+    """What a detached study's controller job runs: the study's own command (`labrun train -m
+    hparams_search=optuna ...`, attached; a project need not have a train.py), in a process of its own whose environment holds
     none of the controller job's SLURM variables, so that the trials it submits are jobs of
     their own and not steps of it. Requeued (a preemption, its node failing, USR2 before its
     time limit, within cluster.max_num_timeout), it runs the command again, which continues
@@ -326,9 +326,8 @@ class StudyController:
 
     def __call__(self) -> int:
         import subprocess
-        import sys
 
-        code = subprocess.run([sys.executable, "train.py", "-m", *self.argv], cwd=self.cwd,
+        code = subprocess.run([*TRAIN_COMMAND, "-m", *self.argv], cwd=self.cwd,
                               env=SlurmScheduler.outside_job(os.environ),
                               check=False).returncode
         if code < 0:
