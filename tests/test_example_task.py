@@ -1,14 +1,14 @@
 """A task from outside labrun (examples/regression: scikit-learn's diabetes data, an MLP, a
-mean-squared-error task) trains through PYTHONPATH and Hydra's search path, with checkpoints,
-an exact resume and a sweep, as docs/plugins.md says, and exports, serves and predicts through
-its own deploy module, with the real commands. Nothing of it is in labrun."""
+mean-squared-error task) is a labrun project: from its own folder, `labrun train` picks its
+conf/ and its defaults, with checkpoints, an exact resume and a sweep, as docs/plugins.md says,
+and it exports, serves and predicts through its own deploy module, trusted there as the
+project's own code, with the real commands. Nothing of it is in labrun."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -20,30 +20,37 @@ from sklearn.datasets import load_diabetes
 from conftest import (
     FAST,
     PROJECT,
-    PYTHON,
     assert_identical,
     final_weights,
     manifest,
     read_metrics,
     read_summary,
     run_labrun,
-    run_train,
 )
 from labrun.deploy.served import serving
 
 EXAMPLE = PROJECT / "examples" / "regression"
-OUTSIDE = [f"hydra.searchpath=[file://{EXAMPLE / 'conf'}]", "experiment=diabetes",
-           "trainer.max_epochs=4", "checkpoint.every_n_steps=10", "checkpoint.keep_last=10"]
-ENV = {"PYTHONPATH": os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")])}
-# The lab's modules, which export and serving import from the checkpoint: trusted by name.
-TRUSTED = {**ENV, "LABRUN_TRUSTED_MODULES": "regression,regression_deploy"}
+SHORT = ["trainer.max_epochs=4", "checkpoint.every_n_steps=10", "checkpoint.keep_last=10"]
+# The example's package on PYTHONPATH stands in for the `pip install -e .` a lab member runs
+# in its folder: the tests install nothing into the environment they run in. No module is
+# trusted by name, whatever the shell running the suite sets: what trusts the example's code
+# is the folder a command runs in.
+ENV = {"PYTHONPATH": os.pathsep.join([str(EXAMPLE / "src"), os.environ.get("PYTHONPATH", "")]),
+       "LABRUN_TRUSTED_MODULES": ""}
+
+
+def train_in_example(*overrides: str, sweep: bool = False, timeout: int = 300):
+    """`labrun train [-m] FAST SHORT overrides` from the example's folder, as a lab member runs
+    it (-m first: Hydra's command line takes no option after the overrides)."""
+    return run_labrun("train", *(["-m"] if sweep else []), *FAST, *SHORT, *overrides,
+                      cwd=EXAMPLE, env=ENV, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory) -> Path:
     """The example's run: 4 epochs, a checkpoint every 10 steps."""
     run_dir = tmp_path_factory.mktemp("regression") / "whole"
-    run_train(*OUTSIDE, run_dir=run_dir, env=ENV)
+    train_in_example(f"hydra.run.dir={run_dir}")
     return run_dir
 
 
@@ -57,17 +64,15 @@ def test_a_task_from_outside_trains_resumes_exactly_and_sweeps(whole, tmp_path):
 
     # From the step-20 checkpoint, mid-epoch, in a folder of its own: the same weights.
     resumed = tmp_path / "resumed"
-    result = run_train(*OUTSIDE, f"checkpoint.resume={whole / 'checkpoints' / 'step-00000020.pt'}",
-                       run_dir=resumed, env=ENV)
+    result = train_in_example(f"checkpoint.resume={whole / 'checkpoints' / 'step-00000020.pt'}",
+                              f"hydra.run.dir={resumed}")
     assert "resuming from" in result.stdout
     assert_identical(final_weights(resumed), final_weights(whole))
 
+    # timeout: two runs one after the other, each allowed a whole run's 300 s.
     sweep = tmp_path / "sweep"
-    result = subprocess.run([PYTHON, "train.py", "-m", *FAST, *OUTSIDE, "cluster=local",
-                             "optimizer.lr=0.01,0.003", f"hydra.sweep.dir={sweep}"],
-                            cwd=PROJECT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, **ENV})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    train_in_example("cluster=local", "optimizer.lr=0.01,0.003", f"hydra.sweep.dir={sweep}",
+                     sweep=True, timeout=600)
     assert [(job["num"], job["state"]) for job in manifest(sweep)["jobs"]] == [
         (0, "completed"), (1, "completed")]
     assert [read_summary(sweep / str(n))["monitor"] for n in (0, 1)] == ["val/loss"] * 2
@@ -84,16 +89,18 @@ def expected_values(run_dir: Path, rows: np.ndarray) -> np.ndarray:
 
 
 def test_a_task_from_outside_exports_serves_and_predicts_through_its_own_hooks(whole, tmp_path):
-    # A lab's modules are not imported unless trusted: one line naming the variable.
-    refused = run_labrun("export", str(whole), check=False, env=ENV)
+    # Outside the project (labrun's own checkout) its modules are a lab's, not imported unless
+    # trusted: one line naming the variable.
+    refused = run_labrun("export", str(whole), check=False, cwd=PROJECT, env=ENV)
     assert refused.returncode == 2 and "LABRUN_TRUSTED_MODULES=regression" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and not (whole / "export").exists()
 
-    run_labrun("export", str(whole), env=TRUSTED)
+    # In the project's folder they are its own code, trusted without the variable.
+    run_labrun("export", str(whole), cwd=EXAMPLE, env=ENV)
     model = whole / "export" / "best.onnx"
     meta = json.loads(Path(f"{model}.json").read_text())
     assert (meta["task"], meta["deploy"], meta["input"]["shape"]) == (
-        "regression", "regression_deploy", ["batch", 10])
+        "regression", "regression.deploy", ["batch", 10])
     assert meta["parity"]["passed"] and meta["parity"]["rows_from"] == "the val rows"
 
     features, _ = load_diabetes(return_X_y=True)
@@ -101,7 +108,7 @@ def test_a_task_from_outside_exports_serves_and_predicts_through_its_own_hooks(w
     expected = expected_values(whole, rows)
     assert np.ptp(expected) > 1  # different patients, different answers: a real comparison
     names = meta["feature_names"]
-    with serving(model, tmp_path / "server.log", cwd=PROJECT, env={**os.environ, **TRUSTED}
+    with serving(model, tmp_path / "server.log", cwd=EXAMPLE, env={**os.environ, **ENV}
                  ) as served:
         answers = [httpx.post(f"{served.url}/predict", json=dict(zip(names, row.tolist(), strict=True)),
                               timeout=10) for row in rows]
@@ -118,9 +125,10 @@ def test_a_task_from_outside_exports_serves_and_predicts_through_its_own_hooks(w
         writer.writerow(names)
         writer.writerows(rows.tolist())
     out = tmp_path / "predictions.csv"
-    run_labrun("predict", str(whole), str(table), "--out", str(out), env=TRUSTED)  # a run
+    run_labrun("predict", str(whole), str(table), "--out", str(out), cwd=EXAMPLE, env=ENV)  # a run
     predicted = [float(row["prediction"]) for row in csv.DictReader(out.open())]
     np.testing.assert_allclose(predicted, expected, rtol=1e-5)
     # Its options are the task's own: an image classifier's are refused in one line.
-    wrong = run_labrun("predict", str(model), str(table), "--k", "3", check=False, env=TRUSTED)
+    wrong = run_labrun("predict", str(model), str(table), "--k", "3", check=False, cwd=EXAMPLE,
+                       env=ENV)
     assert wrong.returncode == 2 and "unrecognized arguments: --k 3" in wrong.stderr

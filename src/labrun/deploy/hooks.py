@@ -7,7 +7,8 @@ export` in the export's metadata, and export, serving and predict import the mod
 they read a checkpoint or an exported file, never the task object, and the deploy module sits
 above labrun.deploy (labrun's own in labrun.tasks, a lab's in its own package), which a task in
 labrun.train could not import. A module outside labrun is imported only when it is trusted as a
-config's `_target_` is (LABRUN_TRUSTED_MODULES): a checkpoint could name any module.
+config's `_target_` is (the project's own packages, LABRUN_TRUSTED_MODULES): a checkpoint could
+name any module.
 
 A deploy module defines:
 

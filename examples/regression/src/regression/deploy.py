@@ -1,8 +1,8 @@
 """The regression task's life after training: its deploy hooks (labrun.deploy.hooks lists them),
 which `labrun export`, `labrun serve` and `labrun predict` import by the name the task gives
-(Regression.deploy). A lab's module, so labrun imports it only when trusted:
+(Regression.deploy). The project's own package, so labrun trusts it in the project's folder
+(elsewhere, only with LABRUN_TRUSTED_MODULES=regression):
 
-    export LABRUN_TRUSTED_MODULES=regression PYTHONPATH=examples/regression
     labrun export RUN_DIR                        # RUN_DIR/export/best.onnx, parity-checked
     labrun serve RUN_DIR/export/best.onnx        # POST /predict {"age": 0.04, ..., "s6": -0.02}
     labrun predict RUN_DIR/export/best.onnx rows.csv --out predictions.csv

@@ -1,14 +1,8 @@
 """Regression on scikit-learn's diabetes data (442 patients, 10 features, bundled with
-scikit-learn: nothing downloaded), as a lab adds a task without touching labrun: this module
-and regression_deploy.py on PYTHONPATH, and conf/experiment/diabetes.yaml on Hydra's search path.
+scikit-learn: nothing downloaded): the project's dataset, `load` in conf/dataset/diabetes.yaml.
 
-    PYTHONPATH=examples/regression python train.py \
-        'hydra.searchpath=[file://examples/regression/conf]' experiment=diabetes
-
-What labrun asks of it: a dataset (splits, what it declares to the task, loaders in labrun's
-sample order: labrun.data.epoch_loader gives exact resume and DDP sharding), a model, and a
-task that owns the batch (labrun.train.task's protocol) and names its deploy module, which
-exports, serves and predicts the trained model (regression_deploy.py).
+What labrun asks of it: its splits, what it declares to the task, and loaders in labrun's
+sample order (labrun.data.epoch_loader gives exact resume and DDP sharding).
 """
 
 from __future__ import annotations
@@ -17,11 +11,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F  # noqa: N812 - torch's own name for it
-from torch import nn
 from torch.utils.data import Dataset
 
-from labrun import models
 from labrun.data import epoch_loader
 
 # load_diabetes' own names: age, sex, body mass index, blood pressure, six blood serum readings.
@@ -79,49 +70,3 @@ def load(val_fraction: float = 0.15, test_fraction: float = 0.15, num_workers: i
          ) -> Diabetes:
     """The dataset's `_target_`: labrun calls it with the dataset keys it names."""
     return Diabetes(val_fraction, test_fraction, num_workers)
-
-
-class MLP(nn.Sequential):
-    def __init__(self, features: int, width: int = 64):
-        super().__init__(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, 1))
-
-
-class Regression:
-    """Mean squared error; val/loss (its mean) and val/mae, of the standardised target."""
-
-    num_sums = 3  # squared errors, absolute errors, count
-    metric_names = ("loss", "mae")
-    deploy = "regression_deploy"  # export, serving and `labrun predict` (regression_deploy.py)
-
-    def __init__(self) -> None:
-        self.meta: dict[str, Any] = {}
-
-    def build_model(self, model_cfg, info: dict[str, Any]) -> nn.Module:
-        return models.build(model_cfg, features=info["features"])
-
-    def setup(self, info: dict[str, Any], device: torch.device, memory_format: Any) -> None:
-        self.meta = dict(info)  # the features' names, the target's scale: what serving needs
-
-    def prepare(self, batch, device: torch.device):
-        return tuple(t.to(device) for t in batch)
-
-    def count(self, batch) -> int:
-        return len(batch[1])
-
-    def loss(self, model: nn.Module, batch) -> torch.Tensor:
-        features, targets = batch
-        return F.mse_loss(model(features).squeeze(1), targets, reduction="sum")
-
-    def eval_sums(self, model: nn.Module, batch) -> torch.Tensor:
-        features, targets = batch
-        error = model(features).squeeze(1).float() - targets
-        return torch.stack([error.square().sum(), error.abs().sum(),
-                            torch.tensor(float(len(targets)), device=error.device)])
-
-    def eval_metrics(self, sums: torch.Tensor, split: str) -> dict[str, float]:
-        squared, absolute, count = sums.tolist()
-        count = max(count, 1.0)
-        return {f"{split}/loss": squared / count, f"{split}/mae": absolute / count}
-
-    def checkpoint_meta(self) -> dict[str, Any]:
-        return self.meta
