@@ -31,6 +31,7 @@ lint: $(TRAIN_STAMP)
 	$(VENV)/bin/lint-imports
 
 wheel: $(TEST_STAMP)   ## labrun's wheel, configs inside, into dist/ (its version from git)
+	rm -rf build  # setuptools would add what earlier builds left in build/lib
 	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
 
 clean:

@@ -37,12 +37,20 @@ def installed(tmp_path_factory) -> Path:
 
 
 def install_the_wheel(folder: Path) -> None:
+    # setuptools adds what earlier builds left in build/lib (a file removed since, say) to the
+    # wheel: it is built from the sources alone, as a fresh clone's is.
+    shutil.rmtree(PROJECT / "build", ignore_errors=True)
     build = subprocess.run([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                             "-q", "-w", str(folder / "wheels"), str(PROJECT)],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = (folder / "wheels").glob("labrun-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    tracked = subprocess.run(["git", "ls-files", "src/labrun/scaffold/template"], cwd=PROJECT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    # The template, file for file: nothing left over from an earlier layout of it.
+    assert sorted(n for n in names if "/scaffold/template/" in n) == sorted(
+        t.removeprefix("src/") for t in tracked)
     assert {"labrun/conf/train.yaml", "labrun/conf/review.yaml", "labrun/conf/model/resnet50.yaml",
             "labrun/monitoring/shipped/prometheus.yml", "labrun/monitoring/shipped/rules.yml",
             "labrun/monitoring/shipped/grafana/labrun.json",
@@ -170,8 +178,11 @@ def test_labrun_new_makes_a_project_that_trains_and_tests_with_its_own_make(inst
     head = subprocess.run(["git", "log", "--format=%H"], cwd=project, capture_output=True,
                           text=True).stdout.split()
     assert len(head) == 1  # the first commit, whatever git's identity here
-    assert {".gitignore", ".pre-commit-config.yaml", "Makefile", "README.md", "train.py",
-            "pyproject.toml"} <= {p.name for p in project.iterdir()}
+    committed = subprocess.run(["git", "ls-files"], cwd=project, capture_output=True,
+                               text=True).stdout.split()
+    assert {name.split("/")[0] for name in committed} == {
+        ".github", ".gitignore", ".pre-commit-config.yaml", "Makefile", "README.md", "conf",
+        "pyproject.toml", "src", "tests", "train.py"}, committed
     assert (project / ".github" / "workflows" / "config-review.yml").is_file()
     assert (project / "data" / "raw").is_dir() and (project / "data" / "processed").is_dir()
     version = run(installed, "python", "-c", "import labrun; print(labrun.__version__)",
