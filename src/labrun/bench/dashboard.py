@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,9 @@ def make_study(folder: Path, count: int) -> Any:
     storage = str(folder / "optuna.journal")
     study = optuna.create_study(study_name="train", storage=open_storage(storage),
                                 direction="maximize")
+    with warnings.catch_warnings():  # as labrun's sweeper names it: val/acc, not Objective 0
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(["val/acc"])
     space = {"optimizer.lr": FloatDistribution(1e-4, 1e-1, log=True),
              "optimizer.weight_decay": CategoricalDistribution([0.0, 0.01, 0.05, 0.1])}
     states = {"completed": optuna.trial.TrialState.COMPLETE,
