@@ -1,7 +1,8 @@
 """One run on the cluster without -m (launch/cluster_run.py): `python train.py cluster=slurm_dev`
 submits the run as one SLURM job of the test cluster (scripts/slurm_up.sh) and follows it as a
 local run is followed, or attaches to the job its folder records; inside an allocation it
-trains there. Jobs are held (--hold) where nothing needs to train. The bit-exact requeue (in
+trains there, and from salloc's shell on this host (none of the allocation's nodes) it goes
+into the allocation with srun. Jobs are held (--hold) where nothing needs to train. The bit-exact requeue (in
 a container) and the two-node single run are scenarios of tests/test_cluster_lab.py, beside
 the twins they are compared with."""
 
@@ -11,10 +12,12 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
+import hostlist
 import pytest
 
 from conftest import (
@@ -43,6 +46,9 @@ def cluster():
 
 STARTED: list[subprocess.Popen] = []
 SUBMITTED: list[str] = []  # every job a test saw recorded
+# The name of every allocation a test holds with salloc: cancelled by it at the end, whatever
+# became of the salloc that held it.
+ALLOCATION_NAME = f"labrun-test-salloc-{os.getpid()}"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,6 +60,7 @@ def nothing_left_running():
             proc.kill()
     if SUBMITTED:
         subprocess.run(["scancel", *SUBMITTED], check=False, timeout=30)
+    subprocess.run(["scancel", f"--name={ALLOCATION_NAME}"], check=False, timeout=30)
 
 
 def train(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -257,6 +264,79 @@ def test_inside_an_allocation_the_run_trains_there(tmp_path):
                      r"x trainer.num_nodes=1 needs 2; ask the allocation for --ntasks=2",
                      small.stderr, re.MULTILINE), small.stderr
     assert not (tmp_path / "two" / "summary.json").exists()
+
+
+def in_salloc(partition: str, *options: str, overrides: list[str]) -> list[str]:
+    """`salloc ... python train.py cluster=slurm_dev ...`: salloc runs the command in its shell
+    on this host, which is none of the allocation's nodes (the test cluster has no
+    LaunchParameters=use_interactive_step, and its nodes are other hosts: node1..node3). The
+    time limit bounds an allocation a failed test would leave."""
+    return ["salloc", "-p", partition, "-N1", "-c1", "-t", "2", f"--job-name={ALLOCATION_NAME}",
+            *options, PYTHON, "train.py", "cluster=slurm_dev", *FAST, *overrides]
+
+
+def granted(result: subprocess.CompletedProcess | tuple[str, str]) -> str:
+    """The job id salloc says it was granted."""
+    stderr = result[1] if isinstance(result, tuple) else result.stderr
+    found = re.search(r"salloc: Granted job allocation (\d+)", stderr)
+    assert found, stderr
+    return found.group(1)
+
+
+def test_from_salloc_s_shell_outside_its_nodes_the_run_trains_in_the_allocation(tmp_path):
+    """The run goes into the allocation with srun, its rank 0 on one of the allocation's
+    nodes, never on this host; nothing is submitted."""
+    assert socket.gethostname() not in ("node1", "node2", "node3")
+    run_dir = tmp_path / "run"
+    result = subprocess.run(in_salloc("dev", "-n1", overrides=[
+        "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]), cwd=PROJECT, capture_output=True,
+        text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job = granted(result)
+    assert re.search(rf"^labrun: this shell holds slurm job {job} on node\d, not this host "
+                     rf"\({re.escape(socket.gethostname())}\): running the run there with srun$",
+                     result.stdout, re.MULTILINE), result.stdout
+    assert f"labrun: inside slurm job {job} (1 node(s)): training in this allocation" \
+        in result.stdout
+    recorded = json.loads((run_dir / "provenance" / "environment.json").read_text())["slurm"]
+    assert recorded["SLURM_JOB_ID"] == job
+    [rank_0] = [json.loads(p.read_text()) for p in (run_dir / "ranks").glob("rank-*.json")]
+    assert rank_0["rank"] == 0
+    assert rank_0["host"] in hostlist.expand_hostlist(recorded["SLURM_JOB_NODELIST"])
+    assert read_summary(run_dir)["status"] == "completed"
+    assert not (run_dir / "jobs.json").exists()
+
+
+def test_an_salloc_with_fewer_gpus_or_nodes_than_the_run_asks_is_refused(tmp_path):
+    """GPUs are counted where SLURM tells them, in the allocation's step (its
+    SLURM_GPUS_ON_NODE; salloc's shell is told none): one line per task, exit 2. Nodes are
+    counted before any step: one line, exit 2, nothing started. Nothing trains."""
+    gpus = subprocess.Popen(in_salloc("gpu", "-n2", "--gpus-per-node=1", overrides=[
+        "trainer.devices=2", "cluster.gpus_per_node=2", f"hydra.run.dir={tmp_path / 'gpus'}"]),
+        cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = subprocess.Popen(in_salloc("dev", "-n1", overrides=[
+        "trainer.num_nodes=2", f"hydra.run.dir={tmp_path / 'nodes'}"]),
+        cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    STARTED.extend([gpus, nodes])
+    gpus_said, nodes_said = gpus.communicate(timeout=240), nodes.communicate(timeout=240)
+
+    assert gpus.returncode == 2, gpus_said
+    job = granted(gpus_said)
+    refusal = (f"error: inside slurm job {job}, which has 1 GPU(s) a node: trainer.devices=2 x "
+               f"trainer.num_nodes=1 needs 2 GPUs; ask the allocation for --gpus-per-node=2, "
+               f"or lower trainer.devices")
+    assert [line for line in gpus_said[1].splitlines() if line.startswith("error:")] == [
+        refusal, refusal], gpus_said  # each of the step's two tasks
+
+    assert nodes.returncode == 2, nodes_said
+    job = granted(nodes_said)
+    [line] = [line for line in nodes_said[1].splitlines() if not line.startswith("salloc:")]
+    assert re.fullmatch(rf"error: slurm job {job}, the allocation this shell holds on node\d, "
+                        rf"has 1 node\(s\): trainer.num_nodes=2; ask salloc for --nodes=2, or "
+                        rf"leave the allocation to submit a job", line), nodes_said
+    assert "srun" not in nodes_said[0]  # no step started
+    for folder in ("gpus", "nodes"):
+        assert not (tmp_path / folder / "summary.json").exists()
 
 
 def test_a_run_folder_on_this_machine_is_cancelled_with_a_checkpoint(tmp_path):

@@ -5,6 +5,7 @@ tests/test_scheduler_slurm.py.)"""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -12,15 +13,21 @@ import pytest
 from labrun.core import environment, scheduler
 from labrun.core.environment import Environment
 from labrun.core.errors import LabrunError
-from labrun.core.scheduler import SchedulerJob
+from labrun.core.scheduler import SchedulerJob, slurm
 
 # What SLURM sets in one task of `srun -N 2 -n 8` (four tasks per node), task 5: on the second
 # node, its second task; element 2 of array 4240, requeued twice.
 SLURM_TASK_5 = {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2",
                 "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
                 "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
-                "SLURM_JOB_NODELIST": "gpu-a[07-08]", "SLURM_RESTART_COUNT": "2",
-                "SLURM_CPUS_ON_NODE": "32"}
+                "SLURM_JOB_NODELIST": "gpu-a[07-08]", "SLURMD_NODENAME": "gpu-a08",
+                "SLURM_RESTART_COUNT": "2", "SLURM_CPUS_ON_NODE": "32"}
+# What salloc's shell holds (`salloc -N 2 -n 4`) where SLURM leaves it on the login host
+# (no LaunchParameters=use_interactive_step): the allocation, but no step, so no
+# SLURMD_NODENAME, no SLURM_PROCID and no GPUs of a node.
+SALLOC_SHELL = {"SLURM_JOB_ID": "14", "SLURM_JOBID": "14", "SLURM_JOB_NODELIST": "node[2-3]",
+                "SLURM_NODELIST": "node[2-3]", "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2",
+                "SLURM_NTASKS": "4", "SLURM_SUBMIT_HOST": "login1", "SLURM_GPUS_PER_NODE": "2"}
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1",
             "GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5",
             "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "rdzv-1"}
@@ -41,7 +48,7 @@ def test_a_plain_process_is_rank_0_of_1_in_no_job(bare):
 
 def test_one_slurm_task_is_a_job_but_not_a_rank(bare):
     env = {"SLURM_JOB_ID": "88", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_NODEID": "0",
-           "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node3"}
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node3", "SLURMD_NODENAME": "node3"}
     here = environment.read(env, root=bare)
     assert (here.rank, here.world_size, here.node_rank, here.num_nodes) == (0, 1, 0, 1)
     assert (here.scheduler, here.job_id, here.queue_id) == ("slurm", "88", "88")
@@ -73,6 +80,46 @@ def test_a_task_of_a_multi_node_requeued_array_job(bare, tmp_path, monkeypatch):
     assert set(here.scheduler_variables) == {"SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID",
                                              "SLURM_ARRAY_TASK_ID", "SLURM_JOB_NODELIST",
                                              "SLURM_PROCID", "SLURM_NTASKS"}
+
+
+@pytest.mark.parametrize("env, hostname, inside", [
+    # A step or batch script: slurmd names its node, whatever the host calls itself.
+    ({"SLURM_JOB_NODELIST": "node[1-3]", "SLURMD_NODENAME": "node2"}, "whatever", True),
+    ({"SLURM_JOB_NODELIST": "gpu-a[07-08],gpu-b1", "SLURMD_NODENAME": "gpu-b1"}, "x", True),
+    # salloc's shell: no SLURMD_NODENAME; the host's short name is the node's, or is none.
+    ({"SLURM_JOB_NODELIST": "node[1-3]"}, "node3", True),
+    ({"SLURM_JOB_NODELIST": "node[1-3]"}, "node3.cluster.lab", True),
+    ({"SLURM_JOB_NODELIST": "node[1-3]"}, "login1", False),
+    ({"SLURM_JOB_NODELIST": "node[1-3]"}, "node30", False),  # expanded, not a prefix
+    ({"SLURM_NODELIST": "node[1-3]"}, "login1.cluster.lab", False),  # SLURM's older name
+    # A SLURMD_NODENAME that names none of its nodes (salloc run from a step of another job):
+    # judged by the host's name.
+    ({"SLURM_JOB_NODELIST": "node[1-3]", "SLURMD_NODENAME": "node7"}, "login1", False),
+    # No nodes named (a hand-made environment: SLURM names them in every allocation): as given.
+    ({"SLURM_JOB_ID": "31"}, "login1", True),
+])
+def test_a_host_is_in_an_allocation_when_it_is_one_of_its_nodes(env, hostname, inside):
+    assert slurm.host_in_allocation({"SLURM_JOB_ID": "14", **env}, hostname) is inside
+
+
+def test_salloc_s_shell_on_a_login_host_is_in_no_job_but_holds_one_elsewhere(bare,
+                                                                              monkeypatch):
+    """Nothing of the allocation applies to this process (no rank, node, launch, GPUs: what
+    trained here would train on the login host); the allocation is named for what goes into
+    it (launch/cluster_run.py: srun)."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "login1")
+    here = environment.read(SALLOC_SHELL, root=bare)
+    assert (here.scheduler, here.job_id, here.launch_id) == (None, None, None)
+    assert here.scheduler_variables == {} and here.master_addr == "127.0.0.1"
+    held = here.allocation_elsewhere
+    assert (held.scheduler, held.job_id, held.num_nodes, held.tasks, held.nodelist) == (
+        "slurm", "14", 2, 4, "node[2-3]")
+    # The same variables on one of its nodes (salloc's shell there, as use_interactive_step
+    # leaves it, or a step): inside the allocation, which the process is a part of.
+    monkeypatch.setattr(socket, "gethostname", lambda: "node2")
+    here = environment.read(SALLOC_SHELL, root=bare)
+    assert (here.scheduler, here.job_id, here.allocation_elsewhere) == ("slurm", "14", None)
+    assert here.launch_id == "slurm:14:0" and here.master_addr == "node2"
 
 
 def test_torchrun_ranks_node_and_rendezvous(bare):

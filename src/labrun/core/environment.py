@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labrun.core import scheduler
+from labrun.core.scheduler import SchedulerJob
 
 # torchrun's rendezvous, which torch.distributed's env:// initialisation reads.
 MASTER_ADDR, MASTER_PORT = "MASTER_ADDR", "MASTER_PORT"
@@ -64,6 +65,10 @@ class Environment:
     # Whether submitit started this process (a job labrun submitted: a sweep's, or a run's
     # that `python train.py cluster=lab` sent), rather than a person in their allocation.
     submitted_by_labrun: bool = False
+    # An allocation this process holds but does not run in: the shell salloc leaves on a
+    # login host, outside the allocation's nodes. Nothing of it applies here (this process is
+    # in no job: scheduler is None); a cluster run goes into it (launch/cluster_run.py).
+    allocation_elsewhere: SchedulerJob | None = None
 
     @property
     def is_main(self) -> bool:
@@ -80,6 +85,11 @@ def read(env: Mapping[str, str] | None = None, root: str | Path = "/") -> Enviro
     env = os.environ if env is None else env
     found = scheduler.of_job(env)
     job = found[1] if found is not None else None
+    elsewhere = None
+    if job is not None and not job.on_job_node:
+        # A job is where its nodes are: this host is none of them, so this process has no
+        # rank, node or launch of the job, and what trains here would train outside it.
+        job, elsewhere = None, job
     ranks = _torchrun_ranks(env) or (job.ranks if job else None) or (0, 0, 1)
     node_rank = _digits(env.get("GROUP_RANK"))  # torchrun's node
     if node_rank is None and job is not None:
@@ -109,7 +119,7 @@ def read(env: Mapping[str, str] | None = None, root: str | Path = "/") -> Enviro
         master_addr=master_addr, master_port=master_port, container=container(env, root),
         scheduler_variables=dict(job.recorded) if job else {},
         job_tasks=job.tasks if job else None, job_gpus_on_node=job.gpus_on_node if job else 0,
-        submitted_by_labrun=bool(env.get(SUBMITIT_EXECUTOR)))
+        submitted_by_labrun=bool(env.get(SUBMITIT_EXECUTOR)), allocation_elsewhere=elsewhere)
 
 
 def _torchrun_ranks(env: Mapping[str, str]) -> tuple[int, int, int] | None:

@@ -16,6 +16,11 @@ with the run's outcome. Ctrl-C cancels the job (a running one saves a checkpoint
 SIGHUP, the terminal gone, leaves it running; the same command with the same folder attaches
 to the job the folder records instead of submitting another, and submits it again (it
 resumes) once that job has ended without completing.
+
+From a shell that holds an allocation on other hosts (salloc's on a login host, where SLURM
+leaves it unless LaunchParameters=use_interactive_step), nothing is submitted and nothing
+trains on the login host: the same command goes into that allocation with srun
+(into_allocation), as an salloc user would have typed it.
 """
 
 from __future__ import annotations
@@ -23,9 +28,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
+import re
+import socket
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import _save_config
@@ -33,8 +42,9 @@ from hydra.types import HydraContext, TaskFunction
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from labrun.core import environment, probes
-from labrun.core.scheduler import ACTIVE_STATES
+from labrun.core import environment, probes, scheduler
+from labrun.core.errors import ConfigError
+from labrun.core.scheduler import ACTIVE_STATES, SchedulerJob
 from labrun.launch import sweep
 from labrun.runs import lock as run_lock
 from labrun.runs.lock_holder import busy_message, live_holder
@@ -51,9 +61,11 @@ EXIT_INTERRUPTED = 130
 
 
 def goes_to_cluster(config: DictConfig) -> bool:
-    """Whether `python train.py` without -m submits this run: its cluster's launcher submits
-    single runs too (SLURM), and this process is not inside a job of that cluster already (a
-    submitted run's own job, or a person's salloc / srun --pty, where it trains in place)."""
+    """Whether `python train.py` without -m sends this run to its cluster: its cluster's
+    launcher submits single runs too (SLURM), and this process is not inside a job of that
+    cluster already (a submitted run's own job, or a person's salloc / srun --pty on one of
+    the allocation's nodes, where it trains in place). An allocation held from another host
+    is no inside: the run goes into it (run)."""
     target = OmegaConf.select(config, "hydra.launcher._target_", default=None)
     launcher = get_class(target) if target else None
     return bool(getattr(launcher, "SUBMITS_SINGLE_RUNS", False)
@@ -63,7 +75,11 @@ def goes_to_cluster(config: DictConfig) -> bool:
 def run(config: DictConfig, task_function: TaskFunction) -> int:
     """Submit the run of `config` (Hydra's RUN-mode config, hydra node included) to its
     cluster, or attach to the job its folder records; follow it unless cluster.detach.
-    Returns the exit code: the run's outcome."""
+    Returns the exit code: the run's outcome. From a shell that holds an allocation on other
+    hosts, the run goes into that allocation instead, and this process becomes srun."""
+    held = environment.read().allocation_elsewhere
+    if held is not None:
+        into_allocation(config, held)
     run_dir = Path(str(config.hydra.run.dir)).resolve()
     config = job_config(config, run_dir)
     launcher = get_class(config.hydra.launcher._target_)()
@@ -101,6 +117,65 @@ def run(config: DictConfig, task_function: TaskFunction) -> int:
             f"it: labrun cancel {run_dir}")
         return 0
     return follow(launcher, job)
+
+
+def into_allocation(config: DictConfig, allocation: SchedulerJob) -> NoReturn:
+    """Run this same command on the nodes of `allocation`, which this process holds from
+    another host (salloc's shell on a login host), as `srun python train.py ...` typed there
+    would: srun replaces this process, so the run's output, Ctrl-C and exit code are srun's.
+    On the nodes the run is inside its allocation and trains in place, where check_single_run
+    counts the GPUs the step is given (an salloc shell is told none)."""
+    command = allocation_command(config, allocation, sys.orig_argv)
+    probes.require_slurm_client(command[0])
+    say(f"this shell holds {allocation.scheduler} job {allocation.job_id} on "
+        f"{allocation.nodelist}, not this host ({socket.gethostname()}): running the run "
+        f"there with {command[0]}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp(command[0], command)
+
+
+def allocation_command(config: DictConfig, allocation: SchedulerJob,
+                       argv: list[str]) -> list[str]:
+    """The command that runs the run `argv` (this process's command line, interpreter first)
+    started, as a step of `allocation`: one task per GPU of trainer.devices on each of
+    trainer.num_nodes nodes. What the allocation's variables tell here is checked first, one
+    line each, as srun would fail in its own words: its nodes and tasks; and cluster.detach,
+    which a step cannot honour."""
+    trainer = config.trainer
+    held = (f"{allocation.scheduler} job {allocation.job_id}, the allocation this shell holds "
+            f"on {allocation.nodelist},")
+    if config.cluster.get("detach"):
+        raise ConfigError(f"cluster.detach=true: {held} takes the run with srun, which does "
+                          f"not detach; leave the allocation to submit a detached job, or drop "
+                          f"cluster.detach")
+    if allocation.num_nodes < trainer.num_nodes:
+        raise ConfigError(f"{held} has {allocation.num_nodes} node(s): trainer.num_nodes="
+                          f"{trainer.num_nodes}; ask salloc for --nodes={trainer.num_nodes}, "
+                          f"or leave the allocation to submit a job")
+    processes = trainer.devices * trainer.num_nodes
+    if allocation.tasks is not None and allocation.tasks < processes:
+        raise ConfigError(f"{held} has {allocation.tasks} task(s): trainer.devices="
+                          f"{trainer.devices} x trainer.num_nodes={trainer.num_nodes} needs "
+                          f"{processes}; ask salloc for --ntasks={processes}, or lower "
+                          f"trainer.devices")
+    command = [sys.executable, *argv[1:]]
+    if not any(re.fullmatch(r"[+~]*hydra\.run\.dir", override.split("=", 1)[0])
+               for override in config.hydra.overrides.hydra):
+        # The folder this command named: the step's own clock would name another.
+        run_dir = Path(str(config.hydra.run.dir)).resolve()
+        command.append(f"hydra.run.dir={hydra_value(run_dir)}")
+    return scheduler.named(allocation.scheduler).step_command(command, trainer.num_nodes,
+                                                               trainer.devices)
+
+
+def hydra_value(path: Path) -> str:
+    """`path` as a value of Hydra's override grammar: bare where its characters allow, else
+    quoted."""
+    text = str(path)
+    if re.fullmatch(r"[\w/.:@%+-]+", text):
+        return text
+    return "'" + text.replace("'", "\\'") + "'"
 
 
 def job_config(config: DictConfig, run_dir: Path) -> DictConfig:

@@ -42,6 +42,11 @@ class SchedulerJob:
     # this node (0: none), which a run started inside a person's allocation checks it fits.
     tasks: int | None = None
     gpus_on_node: int = 0
+    # Whether this process runs on one of the job's nodes. False: an allocation this process
+    # holds from another host (the shell salloc leaves on a login host), where a run that
+    # trained here would train outside it; `nodelist` names where it is (node[1-2]).
+    on_job_node: bool = True
+    nodelist: str = ""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ python-hostlist rather than `scontrol show hostnames`, which most container imag
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 from collections.abc import Iterable, Mapping
@@ -52,6 +53,30 @@ def hostnames(nodelist: str) -> list[str]:
     import hostlist  # python-hostlist; only a multi-node job without MASTER_ADDR needs it
 
     return hostlist.expand_hostlist(nodelist)
+
+
+def host_in_allocation(env: Mapping[str, str], hostname: str | None = None) -> bool:
+    """Whether this host is one of the nodes of the allocation `env` names: SLURMD_NODENAME
+    (slurmd sets it in every step and batch script, whatever the host calls itself), or the
+    short host name (`hostname`, default this machine's), within SLURM_JOB_NODELIST expanded.
+
+    False is an allocation held from outside it: the shell salloc leaves on a login host
+    (SLURM without LaunchParameters=use_interactive_step), where nothing runs on its nodes
+    unless srun puts it there. An environment that names no nodes is taken at its word (SLURM
+    names them in every job and allocation; only a hand-made environment lacks them)."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return True
+    import hostlist  # python-hostlist
+
+    try:
+        nodes = set(hostnames(nodelist))
+    except hostlist.BadHostlist:
+        return True  # not SLURM's syntax: nothing to judge by
+    if env.get("SLURMD_NODENAME") in nodes:
+        return True
+    host = hostname if hostname is not None else socket.gethostname()
+    return host in nodes or host.split(".")[0] in nodes
 
 
 def _digits(value: str | None) -> int | None:
@@ -136,7 +161,8 @@ class SlurmScheduler:
             ranks=ranks, first_node=hostnames(nodelist)[0] if nodelist else None,
             recorded={k: env[k] for k in RECORDED if k in env},
             tasks=_digits(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")),
-            gpus_on_node=_digits(env.get("SLURM_GPUS_ON_NODE")) or 0)
+            gpus_on_node=_digits(env.get("SLURM_GPUS_ON_NODE")) or 0,
+            on_job_node=host_in_allocation(env), nodelist=nodelist or "")
 
     @staticmethod
     def outside_job(env: Mapping[str, str]) -> dict[str, str]:
@@ -144,6 +170,20 @@ class SlurmScheduler:
         process in a job that submits jobs of its own, which must not inherit them."""
         return {key: value for key, value in env.items()
                 if not key.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))}
+
+    @staticmethod
+    def step_command(command: list[str], nodes: int, tasks_per_node: int,
+                     env: Mapping[str, str] | None = None) -> list[str]:
+        """`command` run as a step of the allocation this process holds (`env`'s, default this
+        process's): srun with the run's own shape, `nodes` x `tasks_per_node` tasks, each a
+        rank (read_job), and the allocation's CPUs per task, which srun 22.05 no longer takes
+        from salloc by itself. Not --kill-on-bad-exit: a refusal in every task would then end
+        as the SIGTERM of the tasks still refusing (exit 143), not as its own exit 2."""
+        env = os.environ if env is None else env
+        cpus = _digits(env.get("SLURM_CPUS_PER_TASK"))
+        return ["srun", f"--nodes={nodes}", f"--ntasks={nodes * tasks_per_node}",
+                f"--ntasks-per-node={tasks_per_node}",
+                *([f"--cpus-per-task={cpus}"] if cpus else []), *command]
 
     # A job's own id, in its batch script and in its tasks (each array element's own).
     JOB_ID_VARIABLE = "SLURM_JOB_ID"
