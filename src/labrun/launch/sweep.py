@@ -110,12 +110,19 @@ class SweepLauncher(Launcher):
         """The launcher's own keys in jobs.json."""
         return {}
 
-    def submit_controller(self, argv: list[str]) -> dict[str, Any]:
-        """Submit a detached study's controller, a job running `train.py ARGV` (the study's
-        own command, attached); returns its record for jobs.json's "controller"."""
+    def check_controller(self) -> None:
+        """Refuse, in one line, a detached study's controller that could not be submitted or
+        would never run; called before the study writes or submits anything."""
         raise ConfigError(f"cluster.detach=true for an Optuna study needs a SLURM cluster "
                           f"(cluster=lab), where the study runs as a job of its own; "
                           f"cluster={self.config.cluster.name} runs it in this terminal")
+
+    def submit_controller(self, argv: list[str]) -> dict[str, Any]:
+        """Submit a detached study's controller, a job running `train.py ARGV` (the study's
+        own command, attached), once check_controller has passed; returns its record for
+        jobs.json's "controller"."""
+        self.check_controller()
+        raise NotImplementedError(f"{type(self).__name__} has no controller to submit")
 
     # -- in the launching process: the sweep -----------------------------------------------------
 
