@@ -59,13 +59,20 @@ def test_a_new_field_states_its_facts_once(monkeypatch, fresh_facts, composed, t
     assert "dataset.shard_dir" in facts.path_keys()
     assert facts.facts_of("dataset.shard_dir").resume_safe
 
-    # A plain copy: the composed digits option has no such field to set.
+    # A plain copy: the composed digits option has no such field to set. Its loader, the
+    # format's, reads it (keys no loader reads are refused: config/keys.py).
     cfg = OmegaConf.create(OmegaConf.to_container(composed(), resolve=True))
+    monkeypatch.setenv("LABRUN_TRUSTED_MODULES", __name__)
+    cfg.dataset._target_ = f"{__name__}.load_shards"
     cfg.dataset.shard_dir = str(tmp_path / "no-such-folder")
     with pytest.raises(ConfigError, match=r"dataset.shard_dir=.*no such file or folder"):
         validation.validate(cfg)
     cfg.dataset.shard_dir = str(tmp_path)
     validation.validate(cfg)
+
+
+def load_shards(shard_dir: str) -> None:
+    """The loader of test_a_new_field_states_its_facts_once's format."""
 
 
 def test_slurm_jobs_get_every_path_key_absolute(composed, tmp_path, monkeypatch):

@@ -10,8 +10,7 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-from labrun.config.fields import key
-from labrun.config.keys import NewKeys
+from labrun.config.fields import NewKeys, key
 
 # Which library decodes JPEG files (data/image/decode.py); every other format goes to Pillow.
 DECODERS = ("turbojpeg", "pil", "torchvision")

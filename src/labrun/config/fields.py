@@ -1,7 +1,9 @@
-"""`key()`: a schema field with its facts as metadata (what the facts mean: config/facts.py).
+"""`key()`: a schema field with its facts as metadata (what the facts mean: config/facts.py),
+and NewKeys, which a schema's `new_keys` says of the keys it takes beyond its fields
+(config/keys.py).
 
-Its own module so that schema.py (which declares fields with it) and facts.py (which reads the
-schemas) do not import each other.
+Its own module so that schema.py (which declares fields with it) and facts.py and keys.py
+(which read the schemas) do not import each other.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import MISSING as NO_DEFAULT
+from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
@@ -28,6 +31,17 @@ class Facts:
 
 
 PLAIN = Facts()
+
+
+class NewKeys(Enum):
+    """Which keys a section takes beyond its schema's fields: its schema's `new_keys`.
+
+    A `ClassVar`, so it is no config key; subclasses inherit it; CLOSED unless a schema says so.
+    """
+
+    CLOSED = "closed"  # none: `+trainer.max_epoch=3` is a typo that nothing would read
+    OPEN = "open"  # any: the root, where runs are tagged with `+tag=x`
+    TARGET = "target"  # those its `_target_` accepts: `+optimizer.amsgrad=true` (any: **kwargs)
 
 
 def key(default: Any = MISSING, *, factory: Any = NO_DEFAULT, path: bool = False,

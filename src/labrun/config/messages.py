@@ -82,9 +82,12 @@ def _omegaconf_message(error: OmegaConfBaseException, context: str, in_file: boo
         known = _known_keys(error)
         hint = difflib.get_close_matches(leaf, known, n=1)
         did_you_mean = f"; did you mean {parent + '.' if parent else ''}{hint[0]}?" if hint else ""
-        # `+KEY=...` adds a key, but only where the section takes it (labrun.config.keys.NewKeys).
+        # `+KEY=...` adds a key, but only where the section takes it (labrun.config.keys).
         node = getattr(error, "parent_node", None)
-        takes_it = isinstance(node, DictConfig) and new_key_problem(node, leaf, key) is None
+        problem = new_key_problem(node, leaf, key) if isinstance(node, DictConfig) else None
+        if problem and not known:
+            return problem  # a section without a schema: the closest of what reads it
+        takes_it = isinstance(node, DictConfig) and problem is None
         add = f" (add a new key with +{key}=...)" if takes_it and not in_file else ""
         return f"{key}: no such config key{did_you_mean}{add}"
     if "could not be converted" in message or "Invalid type" in message or "Value '" in message:

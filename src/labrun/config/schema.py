@@ -37,8 +37,7 @@ from labrun.config.dataset_schema import (
     SyntheticConfig,
     TokensConfig,
 )
-from labrun.config.fields import key
-from labrun.config.keys import NewKeys
+from labrun.config.fields import NewKeys, key
 from labrun.config.objective import DEFAULT_MODE, DEFAULT_MONITOR, MODES
 
 # ---------------------------------------------------------------------------------------------

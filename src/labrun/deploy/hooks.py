@@ -40,18 +40,17 @@ docs/plugins.md ("Add a task") walks through them with examples/regression.
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from labrun.core import project
+from labrun.core import trust
 from labrun.core.errors import LabrunError, one_line
+from labrun.core.trust import TRUSTED_TARGETS
 
-# A checkpoint's model `_target_`s and deploy module outside these are refused unless
-# LABRUN_TRUSTED_MODULES (comma-separated prefixes) names them: building a model or importing a
-# module runs its code, and a checkpoint could name any.
-TRUSTED_TARGETS = ("labrun.models.", "torchvision.models.", "torch.nn.", "timm.")
+# A checkpoint's model `_target_`s and deploy module outside TRUSTED_TARGETS and these are
+# refused unless LABRUN_TRUSTED_MODULES (comma-separated prefixes) names them: building a
+# model or importing a module runs its code, and a checkpoint could name any.
 TRUSTED_DEPLOY = ("labrun.tasks.",)
 TRUSTED_DATA = ("labrun.data.",)  # a dataset's `_target_`, which a parity check calls
 # Checkpoints and exports written before tasks named their deploy modules name a task instead,
@@ -70,12 +69,9 @@ def untrusted(dotted: str, key: str, ours: tuple[str, ...] = TRUSTED_TARGETS
     is within `ours`, the project's own packages (the code of the project this command runs
     in) or the lab's LABRUN_TRUSTED_MODULES: each a package or module (`mylab` trusts mylab
     and mylab.*, not mylab_other) or a prefix ending in a dot."""
-    named = os.environ.get("LABRUN_TRUSTED_MODULES", "").split(",")
-    named += project.own_packages(project.project_dir())
-    trusted = ours + tuple(p.strip() if p.strip().endswith(".") else p.strip() + "."
-                           for p in named if p.strip())
-    if (dotted + ".").startswith(trusted):
+    if trust.trusted(dotted, ours):
         return None
+    trusted = trust.trusted_prefixes(ours)
     module = dotted.split(".")[0]
     return LabrunError(f"{key}={dotted} is outside the trusted modules ({', '.join(trusted)}); "
                        f"if you trust this checkpoint, set LABRUN_TRUSTED_MODULES={module}")

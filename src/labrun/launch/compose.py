@@ -78,6 +78,10 @@ class JobComposer:
             shared += 1
         return shared
 
+    def chooses_option(self, line: str) -> bool:
+        """Whether the override `line` chooses a config group's option (model=resnet18)."""
+        return self._chooses_option(self._parse(line))
+
     def _parse(self, line: str):
         """Hydra's parse of one override, once per distinct line (a grid's jobs share most)."""
         if line not in self.parsed:

@@ -110,12 +110,17 @@ class OptunaSweeper(Sweeper):
         first_trial = self.hydra_context.config_loader.load_sweep_config(self.config,
                                                                          list(fixed))
         validation.check_checkpoint_monitor(first_trial)
+        detach = OmegaConf.select(self.config, "cluster.detach", default=False)
+        if detach:
+            # The controller job is checked as a sweep's jobs are, before the study's folder,
+            # its code snapshot or anything in SLURM exists.
+            self.launcher.check_controller()
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         storage_spec = self._storage_spec(sweep_dir)
         study_name = self.study_name or str(self.config.hydra.job.name)
         storage = optuna.storages.get_storage(open_storage(storage_spec))
-        if OmegaConf.select(self.config, "cluster.detach", default=False):
+        if detach:
             self._check_direction(optuna.load_study(study_name=study_name, storage=storage)
                                   if _has_study(storage, study_name) else None, storage_spec)
             self._detach(sweep_dir, storage_spec, study_name)

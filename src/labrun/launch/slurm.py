@@ -32,7 +32,7 @@ from hydra.core.utils import JobReturn, run_job
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import labrun
-from labrun.config import facts
+from labrun.config import facts, validation
 from labrun.core import environment, probes
 from labrun.core.errors import LabrunError, one_line
 from labrun.core.files import atomic_path
@@ -40,6 +40,7 @@ from labrun.core.project import TRAIN_COMMAND, project_dir
 from labrun.core.scheduler import LIVE_STATES, SlurmScheduler
 from labrun.launch import SLURM_COMMENT_PREFIX, container, sweep
 from labrun.launch.slurm_limits import (
+    check_controller,
     check_resources,
     check_submission,
     cluster_limits,
@@ -209,9 +210,20 @@ class SlurmLauncher(sweep.SweepLauncher):
     def manifest_extra(self) -> dict[str, Any]:
         return {"snapshot": str(self._snapshot or "")}
 
+    def check_controller(self) -> None:
+        """The cluster keys' ranges (cluster.controller's among them, which matter only
+        here), then what SLURM would refuse or never run: the controller's request and QOS,
+        and the trials' request, which the controller submits later, far from a terminal."""
+        validation.check_cluster(self.config)
+        limits = cluster_limits()
+        check_controller(self.config.cluster, limits)
+        check_resources(self.config.cluster, limits)
+
     def submit_controller(self, argv: list[str]) -> dict[str, Any]:
         """The controller: one job in a CPU slot (cluster.controller) that runs the study's
-        command from a snapshot of the code taken now; its trials run that snapshot too."""
+        command from a snapshot of the code taken now; its trials run that snapshot too.
+        check_controller has passed (launch/optuna_sweeper.py asks it before the study's
+        folder is made)."""
         import submitit
 
         cluster, sweep_dir = self.config.cluster, self.sweep_dir

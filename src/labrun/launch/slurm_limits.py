@@ -2,11 +2,12 @@
 cluster's limits (core/scheduler, one query each), a resource request no node can ever
 satisfy, the QOS's submit limits and the controller's MaxJobCount (each a one-line
 ConfigError naming the limit and the fix), and the arrays that fit MaxArraySize.
-launch/slurm.py's SlurmLauncher.begin calls them."""
+launch/slurm.py's SlurmLauncher.begin calls them for a sweep's jobs, and its
+check_controller for a detached study's controller job (cluster.controller)."""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from labrun.core import probes
 from labrun.core.errors import ConfigError, LabrunError
@@ -47,21 +48,48 @@ def throttle_shares(sizes: list[int], parallelism: int) -> list[int]:
 
 def check_resources(cluster: DictConfig, limits: ClusterLimits) -> None:
     """Fail now, in one line, on a request that would pend forever."""
-    wanted = cluster.partition or limits.default_partition
+    cpus = cluster.cpus_per_task * cluster.tasks_per_node
+    _check_node_fits(limits, cluster.partition, "cluster.partition",
+                     (cpus, f"cluster.cpus_per_task x tasks_per_node = {cpus} CPUs per node"),
+                     (cluster.mem_gb, f"cluster.mem_gb={cluster.mem_gb}"),
+                     (cluster.gpus_per_node, f"cluster.gpus_per_node={cluster.gpus_per_node}"))
+
+
+def check_controller(cluster: DictConfig, limits: ClusterLimits) -> None:
+    """A detached study's controller (cluster.controller: one task in a CPU slot, no GPU),
+    before it is submitted: its partition and QOS exist, a node of the partition can hold
+    it, and its QOS takes one more job. One line naming the cluster.controller key."""
+    controller = cluster.controller
+    _check_node_fits(
+        limits, controller.partition, "cluster.controller.partition",
+        (controller.cpus_per_task, f"cluster.controller.cpus_per_task="
+                                   f"{controller.cpus_per_task} CPUs"),
+        (controller.mem_gb, f"cluster.controller.mem_gb={controller.mem_gb}"), (None, ""))
+    # Accounting lists every QOS; a cluster without it enforces none (limits.qos is empty).
+    if controller.qos is not None and limits.qos and controller.qos not in limits.qos:
+        raise ConfigError(f"cluster.controller.qos={controller.qos} does not exist; QOS: "
+                          f"{', '.join(sorted(limits.qos))}, or null for the default one")
+    check_submission([OmegaConf.create({"qos": controller.qos,
+                                        "account": controller.account or cluster.account})],
+                     limits)
+
+
+def _check_node_fits(limits: ClusterLimits, partition: str | None, partition_key: str,
+                     cpus: tuple[int, str], mem_gb: tuple[int | None, str],
+                     gpus: tuple[int | None, str]) -> None:
+    """The partition (None: the cluster's default) exists and its largest node holds the
+    request: each of cpus, mem_gb and gpus is (what is asked, the keys that ask it)."""
+    wanted = partition or limits.default_partition
     if wanted not in limits.partitions:
-        raise ConfigError(f"cluster.partition={wanted} does not exist; partitions: "
+        raise ConfigError(f"{partition_key}={wanted} does not exist; partitions: "
                           f"{', '.join(sorted(limits.partitions)) or 'none'}")
     node = limits.partitions[wanted]
     offer = (f"partition {wanted} offers at most {node.cpus} CPUs, "
              f"{node.mem_mb // 1024} GB and {node.gpus} GPUs per node")
-    cpus = cluster.cpus_per_task * cluster.tasks_per_node
-    if cpus > node.cpus:
-        raise ConfigError(f"cluster.cpus_per_task x tasks_per_node = {cpus} CPUs per node: "
-                          f"{offer}")
-    if cluster.mem_gb and cluster.mem_gb * 1024 > node.mem_mb:
-        raise ConfigError(f"cluster.mem_gb={cluster.mem_gb}: {offer}")
-    if cluster.gpus_per_node and cluster.gpus_per_node > node.gpus:
-        raise ConfigError(f"cluster.gpus_per_node={cluster.gpus_per_node}: {offer}")
+    for (asked, named), most in ((cpus, node.cpus), (mem_gb, node.mem_mb / 1024),
+                                 (gpus, node.gpus)):
+        if asked and asked > most:
+            raise ConfigError(f"{named}: {offer}")
 
 
 def check_submission(clusters: list[DictConfig], limits: ClusterLimits) -> None:

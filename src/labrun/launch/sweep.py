@@ -27,7 +27,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from labrun.config import facts, validation
+from labrun.config import facts, keys, validation
 from labrun.core import environment
 from labrun.core.errors import ConfigError, LabrunError
 from labrun.core.scheduler import LIVE_STATES, Scheduler, path_of
@@ -110,12 +110,19 @@ class SweepLauncher(Launcher):
         """The launcher's own keys in jobs.json."""
         return {}
 
-    def submit_controller(self, argv: list[str]) -> dict[str, Any]:
-        """Submit a detached study's controller, a job running `train.py ARGV` (the study's
-        own command, attached); returns its record for jobs.json's "controller"."""
+    def check_controller(self) -> None:
+        """Refuse, in one line, a detached study's controller that could not be submitted or
+        would never run; called before the study writes or submits anything."""
         raise ConfigError(f"cluster.detach=true for an Optuna study needs a SLURM cluster "
                           f"(cluster=lab), where the study runs as a job of its own; "
                           f"cluster={self.config.cluster.name} runs it in this terminal")
+
+    def submit_controller(self, argv: list[str]) -> dict[str, Any]:
+        """Submit a detached study's controller, a job running `train.py ARGV` (the study's
+        own command, attached), once check_controller has passed; returns its record for
+        jobs.json's "controller"."""
+        self.check_controller()
+        raise NotImplementedError(f"{type(self).__name__} has no controller to submit")
 
     # -- in the launching process: the sweep -----------------------------------------------------
 
@@ -261,8 +268,17 @@ def plan(hydra_context: HydraContext, master: DictConfig,
     job_overrides = [list(overrides) for overrides in job_overrides]
     shared = compose.shared_values(job_overrides)
     jobs = []
+    # The target sections' keys of each distinct choice of options and of those sections'
+    # own overrides, checked once: no other override adds or removes a key there, and the
+    # check costs a millisecond a job (a 5,000-job grid over seeds checks one config).
+    sections_checked: set[tuple[str, ...]] = set()
     for num, overrides in enumerate(job_overrides, start=initial_job_idx):
         cfg = compose(overrides, shared)
+        shaping = tuple(line for line in overrides
+                        if keys.in_target_section(line) or compose.chooses_option(line))
+        if shaping not in sections_checked:
+            keys.check_target_sections(cfg)
+            sections_checked.add(shaping)
         # Each job's own monitor (a sweep may vary it), before any job is submitted: a typo
         # would otherwise train every job to the end for nothing.
         validation.check_checkpoint_monitor(cfg)
