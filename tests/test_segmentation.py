@@ -348,10 +348,14 @@ def test_eval_in_two_processes_gives_the_same_confusion_matrix_as_one(seg_run):
     same mean IoU and pixel accuracy to the last bit."""
     written = seg_run / "eval" / "shapes-val-best.json"
     run_labrun("eval", str(seg_run), "--split", "val", "trainer.batch_size=1")
-    one = json.loads(written.read_text())["metrics"]
+    one_record = json.loads(written.read_text())
     run_labrun("eval", str(seg_run), "--split", "val", "trainer.devices=2",
                "trainer.batch_size=2")
-    two = json.loads(written.read_text())["metrics"]
+    two_record = json.loads(written.read_text())
+    # Two processes' confusion matrices were added up, not one process's whole split: with
+    # trainer.devices=2 ignored, the figures below can match all the same.
+    assert (one_record["world_size"], two_record["world_size"]) == (1, 2)
+    one, two = one_record["metrics"], two_record["metrics"]
     assert (two["val/miou"], two["val/pixel_acc"]) == (one["val/miou"], one["val/pixel_acc"])
     assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-12)
     # And what training measured of best.pt, in batches of 16: the same, up to the ties of
