@@ -31,6 +31,7 @@ def test_eval_of_best_on_test_equals_the_runs_own_test_figures(tested_run, capsy
     record = json.loads(written.read_text())
     assert record["checkpoint"] == str((tested_run / "checkpoints" / "best.pt").resolve())
     assert (record["dataset"], record["split"]) == ("synthetic", "test")
+    assert record["world_size"] == 1  # no trainer.devices: this process alone
     summary = read_summary(tested_run)
     for name in ("test/loss", "test/acc", "test/acc5"):  # the same checkpoint, the same data
         assert record["metrics"][name] == pytest.approx(summary[name], rel=1e-6, abs=1e-9)
@@ -59,6 +60,9 @@ def test_eval_in_two_processes_adds_up_to_one(tested_run):
     """trainer.devices=2: each process evaluates its shard; the sums are all-reduced."""
     run_labrun("eval", str(tested_run), "--split", "val", "trainer.devices=2")
     two = json.loads((tested_run / "eval" / "synthetic-val-best.json").read_text())
+    # Two processes' sums were added up (counted by an all-reduce): one process alone, with
+    # trainer.devices=2 ignored, gives the same figures below.
+    assert two["world_size"] == 2, two
     summary_best = read_summary(tested_run)["best/val/acc"]  # best.pt's val/acc in training
     assert two["metrics"]["val/acc"] == pytest.approx(summary_best, abs=1e-9)
 

@@ -13,7 +13,10 @@ import shutil
 import signal
 import subprocess
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -254,6 +257,55 @@ def test_monitor_queue_refuses_a_cache_that_would_load_the_controller():
     assert result.stderr.strip().splitlines() == [
         "error: --cache 2: give 10 seconds or more (two Prometheus servers scraping every 15 s "
         "would otherwise load the SLURM controller)"]
+
+
+def fake_slurm_commands(folder: Path) -> Path:
+    """squeue, sshare and sinfo that write their name to folder/calls and answer an empty
+    queue: what the exporter asks SLURM, counted, without a cluster. Returns folder."""
+    folder.mkdir()
+    for name in ("squeue", "sshare", "sinfo"):
+        (folder / name).write_text(f'#!/bin/sh\necho {name} >> "{folder}/calls"\n')
+        (folder / name).chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize(("cache_s", "queries"), [(2, 6), (10, 6), (30, 2)],
+                         ids=["below-the-minimum", "the-minimum", "longer"])
+def test_the_queue_exporter_asks_slurm_once_a_cache_period_however_often_it_is_scraped(
+        cache_s, queries, tmp_path, monkeypatch):
+    """30 scrapes 2 s apart (Prometheus's interval in tests/test_queue_exporter.py) on a clock
+    the test moves: SLURM is asked at the first and once each cache period after (10 s at
+    least), judged by the commands' calls; 8 scrapes at one moment share one query."""
+    from labrun.monitoring import queue_exporter
+
+    fake = fake_slurm_commands(tmp_path / "slurm")
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("LABRUN_SLURM_CONFIGLESS", "1")  # the fakes need no slurm.conf
+    now = [1_800_000_000.0]
+    monkeypatch.setattr(queue_exporter, "time", SimpleNamespace(
+        time=lambda: now[0], mktime=time.mktime, strptime=time.strptime))
+
+    def asked() -> Counter:
+        calls = fake / "calls"
+        return Counter(calls.read_text().split() if calls.exists() else [])
+
+    server, port = queue_exporter.serve(0, "127.0.0.1", cache_s)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    try:
+        def scrape() -> str:
+            return client.get("/metrics").text
+
+        for _ in range(30):
+            assert re.search(r"(?m)^labrun_queue_up 1\.0$", scrape())
+            now[0] += 2
+        assert asked() == dict.fromkeys(("squeue", "sshare", "sinfo"), queries)
+        now[0] += 60  # the snapshot is stale: the first of these scrapes asks, the rest share it
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda _: scrape(), range(8)))
+        assert asked() == dict.fromkeys(("squeue", "sshare", "sinfo"), queries + 1)
+    finally:
+        client.close()
+        server.shutdown()
 
 
 # -- the Prometheus harness and `labrun monitor up` ---------------------------------------------

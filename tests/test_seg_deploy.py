@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import re
 import warnings
@@ -193,25 +194,53 @@ def test_serve_answers_masks_of_the_upload_size_with_class_fractions(server):
     assert mask.shape == (36, 60)
 
 
+# The share of pixels a mask may differ by from the same image's mask when alone: onnxruntime
+# may sum in another order for a batch than for one image, which can turn a near tie between two
+# classes. Measured here: batched masks equal the lone ones to the pixel, while the test's images'
+# masks differ from each other by 13% of their pixels at least.
+SAME_MASK_TOLERANCE = 0.01
+
+
+def mask_of(answer: dict) -> np.ndarray:
+    return read_png(base64.b64decode(answer["mask"]))[0]
+
+
+def assert_same_mask(got: np.ndarray, alone: np.ndarray, name: str) -> float:
+    """The share of pixels `got` differs by from the image's lone mask, within the tolerance."""
+    differ = (got != alone).mean()
+    assert differ <= SAME_MASK_TOLERANCE, (name, differ)
+    return differ
+
+
 def test_requests_share_model_calls_and_each_gets_its_own_mask(server):
     files = [(f"{k}.png", encode(shapes_image(20 + k)[0])) for k in range(6)]
-    alone = [post(server, name, data).json()["mask"] for name, data in files]
+    alone = {}
+    for name, data in files:
+        answer = post(server, name, data)
+        assert answer.status_code == 200 and answer.headers[HEADER] == "1", answer.text
+        alone[name] = mask_of(answer.json())
+    # The images must tell callers apart: were two masks alike within the tolerance, an answer
+    # that went to the other caller could not show. Every pair differs by more.
+    apart = {(a, b): (first != second).mean()
+             for (a, first), (b, second) in itertools.combinations(alone.items(), 2)}
+    assert min(apart.values()) > SAME_MASK_TOLERANCE, apart
     with ThreadPoolExecutor(len(files)) as pool:
         together = list(pool.map(lambda f: post(server, *f), files))
     assert all(r.status_code == 200 for r in together)
     assert max(int(r.headers[HEADER]) for r in together) > 1  # batched
-    for mask, answer in zip(alone, together, strict=True):
-        expected = read_png(base64.b64decode(mask))[0]
-        got = read_png(base64.b64decode(answer.json()["mask"]))[0]
-        assert (got == expected).mean() >= 0.99  # another image's mask would differ far more
-    # One request's files share one model call, and each gets its own answer.
+    differ = [assert_same_mask(mask_of(answer.json()), alone[name], name)
+              for (name, _), answer in zip(files, together, strict=True)]
+    # One request's files share one model call, and each gets its own answer: its lone one.
     batch = httpx.post(f"{server}/predict/batch", timeout=60,
                        files=[("files", (name, data, "image/png")) for name, data in files[:3]])
     assert batch.status_code == 200, batch.text
     assert batch.headers[HEADER] == "3,3,3"
     results = batch.json()["results"]
     assert [r["filename"] for r in results] == ["0.png", "1.png", "2.png"]
-    assert [r["mask"] for r in results] != [results[0]["mask"]] * 3
+    differ += [assert_same_mask(mask_of(r), alone[r["filename"]], r["filename"])
+               for r in results]
+    print(f"masks of different images differ by {min(apart.values()):.3f} of their pixels at "
+          f"least; batched answers differ from the lone ones by {max(differ):.4f} at most")
 
 
 def test_bad_uploads_get_a_4xx_and_the_server_goes_on(server):

@@ -5,7 +5,9 @@ processes equal to one (the confusion matrix's sums exactly), compare and the da
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import re
 import signal
 import subprocess
@@ -15,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812 - torch's own name for it
 from PIL import Image
 
 from conftest import (
@@ -38,6 +41,7 @@ from labrun.data.segmentation import masks as mask_files
 from labrun.data.segmentation import shapes
 from labrun.data.segmentation.masks import PngMask, encode_mask, open_mask
 from labrun.data.segmentation.transforms import JointEval, JointTrain
+from labrun.train.evaluation import evaluation_sums
 from labrun.train.task import Segmentation, mean_iou
 
 # A U-Net small enough for a step in a few milliseconds: the guarantees, not the accuracy.
@@ -118,20 +122,72 @@ def _foot_points_left(mask: torch.Tensor) -> bool:
 # The metric
 
 
-def test_mean_iou_is_read_off_the_summed_confusion_matrix():
-    truth = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
-    pred = torch.tensor([0, 0, 1, 1, 1, 2, 0, 2])
-    confusion = torch.bincount(truth * 3 + pred, minlength=9).view(3, 3)
-    miou, accuracy = mean_iou(confusion)
-    # IoU by hand: class 0: 2 / 4, class 1: 2 / 3, class 2: 2 / 3.
-    assert miou == pytest.approx((2 / 4 + 2 / 3 + 2 / 3) / 3)
-    assert accuracy == pytest.approx(6 / 8)
-    # A class neither in truth nor prediction does not count; one only predicted scores 0.
-    four = torch.zeros(4, 4, dtype=torch.long)
-    four[:3, :3] = confusion
-    assert mean_iou(four)[0] == pytest.approx(miou)
-    four[0, 3] = 2
-    assert mean_iou(four)[0] < miou
+# Two tiny masks (3 x 4 pixels, 255 void) and what a model predicted for them, over five
+# classes: class 3 is only predicted, class 4 neither in truth nor predicted.
+VOID = 255
+TRUTHS = [[[0, 0, 1, 1],
+           [0, 0, 1, 1],
+           [2, 2, 2, VOID]],
+          [[1, 1, 1, 1],
+           [0, 0, 2, 2],
+           [0, 0, 2, 2]]]
+PREDICTIONS = [[[0, 0, 1, 3],
+                [0, 1, 1, 1],
+                [2, 2, 0, 2]],  # the last pixel is void in truth: not scored
+               [[1, 1, 3, 3],
+                [0, 0, 2, 2],
+                [0, 2, 2, 2]]]
+# Counted by hand, rows true and columns predicted: truth 0 (8 pixels) predicted 0 six times,
+# 1 once, 2 once; truth 1 (8) predicted 1 five times, 3 three times; truth 2 (7) predicted 0
+# once, 2 six times. 23 pixels scored, 6 + 5 + 6 = 17 right.
+CONFUSION_BY_HAND = [[6, 1, 1, 0, 0],
+                     [0, 5, 0, 3, 0],
+                     [1, 0, 6, 0, 0],
+                     [0, 0, 0, 0, 0],
+                     [0, 0, 0, 0, 0]]
+# IoU = right / (true + predicted - right), per class present in truth or prediction:
+# class 0: 6 / (8 + 7 - 6) = 2/3; class 1: 5 / (8 + 6 - 5) = 5/9; class 2: 6 / (7 + 7 - 6)
+# = 3/4; class 3, only predicted: 0 / (0 + 3 - 0) = 0, and it counts; class 4: absent, left
+# out. Without class 3 the mean would be 71/108, with class 4 as a zero 71/180.
+IOU_BY_HAND = [2 / 3, 5 / 9, 3 / 4, 0.0]
+MEAN_IOU_BY_HAND = 71 / 144
+PIXEL_ACC_BY_HAND = 17 / 23
+
+
+class Predicts(torch.nn.Module):
+    """A model whose answers are the fixture's predictions, one batch after the other: the
+    logits 10 for the predicted class, 0 for the others."""
+
+    def __init__(self, predictions: list[torch.Tensor], classes: int):
+        super().__init__()
+        self.answers, self.classes = list(predictions), classes
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        predicted = self.answers.pop(0)
+        return 10.0 * F.one_hot(predicted, self.classes).permute(0, 3, 1, 2).float()
+
+
+def test_mean_iou_equals_a_confusion_matrix_counted_by_hand():
+    """The fixture's two masks, one batch each, through the evaluation loop: the confusion
+    matrix, mean IoU, pixel accuracy and loss equal what was counted by hand above; a class
+    only predicted scores 0 and counts, a class nowhere does not."""
+    task = Segmentation()
+    task.setup({"class_names": list("abcde"), "mean": [0.5] * 3, "std": [0.25] * 3,
+                "ignore_index": VOID}, torch.device("cpu"), torch.contiguous_format)
+    masks = [torch.tensor([truth], dtype=torch.uint8) for truth in TRUTHS]
+    loader = [(torch.zeros(1, 3, 3, 4, dtype=torch.uint8), mask) for mask in masks]
+    model = Predicts([torch.tensor([p]) for p in PREDICTIONS], classes=5)
+    sums = evaluation_sums(model, task, loader, torch.device("cpu"), contextlib.nullcontext)
+    assert sums[2:].view(5, 5).long().tolist() == CONFUSION_BY_HAND
+    assert sums[1] == 23
+    metrics = task.eval_metrics(sums, "val")
+    assert metrics["val/miou"] == pytest.approx(MEAN_IOU_BY_HAND, abs=1e-12)
+    assert MEAN_IOU_BY_HAND == pytest.approx(sum(IOU_BY_HAND) / 4)
+    assert metrics["val/pixel_acc"] == pytest.approx(PIXEL_ACC_BY_HAND, abs=1e-12)
+    # Cross-entropy of logits 10 against 0 for the four other classes: log(1 + 4e-10) a pixel
+    # predicted right, log(e10 + 4) a pixel predicted wrong.
+    loss = (17 * math.log(1 + 4 * math.exp(-10)) + 6 * math.log(math.exp(10) + 4)) / 23
+    assert metrics["val/loss"] == pytest.approx(loss, rel=1e-6)
 
 
 def test_eval_sums_of_two_halves_add_up_to_the_whole_batchs_exactly():
@@ -153,11 +209,11 @@ def test_eval_sums_of_two_halves_add_up_to_the_whole_batchs_exactly():
     assert task.count((images, masks)) == whole[1]
     metrics = task.eval_metrics(whole, "val")
     assert set(metrics) == {"val/loss", "val/miou", "val/pixel_acc"}
+    # The halves' mean IoUs averaged are another figure (what it should be: the test above).
     halves_miou = np.mean([task.eval_metrics(task.eval_sums(
         model, task.prepare((images[i:i + 2], masks[i:i + 2]), torch.device("cpu"))),
         "val")["val/miou"] for i in (0, 2)])
-    assert metrics["val/miou"] == pytest.approx(
-        mean_iou(whole[2:].view(3, 3))[0]) and metrics["val/miou"] != halves_miou
+    assert metrics["val/miou"] != halves_miou
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,10 +404,14 @@ def test_eval_in_two_processes_gives_the_same_confusion_matrix_as_one(seg_run):
     same mean IoU and pixel accuracy to the last bit."""
     written = seg_run / "eval" / "shapes-val-best.json"
     run_labrun("eval", str(seg_run), "--split", "val", "trainer.batch_size=1")
-    one = json.loads(written.read_text())["metrics"]
+    one_record = json.loads(written.read_text())
     run_labrun("eval", str(seg_run), "--split", "val", "trainer.devices=2",
                "trainer.batch_size=2")
-    two = json.loads(written.read_text())["metrics"]
+    two_record = json.loads(written.read_text())
+    # Two processes' confusion matrices were added up, not one process's whole split: with
+    # trainer.devices=2 ignored, the figures below can match all the same.
+    assert (one_record["world_size"], two_record["world_size"]) == (1, 2)
+    one, two = one_record["metrics"], two_record["metrics"]
     assert (two["val/miou"], two["val/pixel_acc"]) == (one["val/miou"], one["val/pixel_acc"])
     assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-12)
     # And what training measured of best.pt, in batches of 16: the same, up to the ties of

@@ -1,6 +1,7 @@
 """`labrun eval RUN_DIR|CHECKPOINT [--split test] [KEY=VALUE ...]`: a run's checkpoint (best.pt
 by default) evaluated on a split of its own dataset or, with overrides, of another one; the
-result goes to RUN/eval/<dataset>-<split>-<checkpoint>.json and is printed.
+result goes to RUN/eval/<dataset>-<split>-<checkpoint>.json (with the number of processes that
+evaluated it, world_size) and is printed.
 
     labrun eval outputs/2026-12-03/10-00-00-ab12 --split test
     labrun eval RUN/checkpoints/last.pt --split val dataset=imagefolder dataset.root=/data/shifted
@@ -37,9 +38,10 @@ def run(args) -> int:
     if holder is not None:  # its checkpoints change under us, and it may write eval/ too
         raise LabrunError(lock_holder.busy_message(folder.lock_path, holder))
     cfg = compose(folder, args.overrides)
-    metrics = evaluate(cfg, checkpoint, args.split)
+    outcome = evaluate(cfg, checkpoint, args.split)
     record = {"checkpoint": str(checkpoint.resolve()), "dataset": str(cfg.dataset.name),
-              "split": args.split, "metrics": metrics}
+              "split": args.split, "world_size": outcome["world_size"],
+              "metrics": outcome["metrics"]}
     path = folder.eval_path(str(cfg.dataset.name), args.split, checkpoint.stem)
     folder.write_eval(path, record)
     print(json.dumps(record, indent=2))

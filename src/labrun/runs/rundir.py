@@ -14,7 +14,8 @@
       provenance/             code and environment (runs.provenance owns it)
       export/                 `labrun export`'s default output (deploy.export)
       eval/DATASET-SPLIT-CHECKPOINT.json   `labrun eval`'s results: checkpoint, dataset,
-                              split, metrics (never in metrics.jsonl or summary.json)
+                              split, world_size, metrics (never in metrics.jsonl or
+                              summary.json)
       errors/rank-N.txt       how a rank other than 0 failed
       ranks/rank-N.json       which process each rank was and the steps it took
       monitor/node-N.json     where node N's Prometheus endpoint listens (monitoring.metrics_endpoint)

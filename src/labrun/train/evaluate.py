@@ -4,7 +4,7 @@ with trainer.devices=N).
 
     config (the run's own overrides + the command line's) -> data -> the task's model with the
     checkpoint's weights -> evaluation_sums (the Trainer's loop) over the whole split -> the task's
-    eval_metrics: {SPLIT/NAME: value}
+    eval_metrics: {SPLIT/NAME: value}, with the number of processes whose sums were added
 
 What it writes is the CLI's (RunDir.write_eval): nothing here touches the run folder.
 """
@@ -26,26 +26,27 @@ from labrun.train.evaluation import evaluation_sums
 from labrun.train.precision import Precision
 
 
-def evaluate(cfg: DictConfig, checkpoint: Path, split: str) -> dict[str, float]:
-    """The checkpoint's metrics on `split`; trainer.devices=N starts N processes."""
+def evaluate(cfg: DictConfig, checkpoint: Path, split: str) -> dict[str, Any]:
+    """{"metrics": the checkpoint's metrics on `split`, "world_size": the processes that
+    evaluated it}; trainer.devices=N starts N processes."""
     resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     if distributed.launched_as_one_process(cfg.trainer):
         outcome = distributed.run_processes(cfg.trainer.devices, _worker, resolved,
                                             str(checkpoint), split)
         if "error" in outcome:
             raise LabrunError(outcome["error"])
-        return outcome["metrics"]
+        return outcome
     return _evaluate(resolved, checkpoint, split)
 
 
 def _worker(cfg: DictConfig, checkpoint: str, split: str) -> dict[str, Any]:
     try:
-        return {"metrics": _evaluate(cfg, Path(checkpoint), split)}
+        return _evaluate(cfg, Path(checkpoint), split)
     except LabrunError as error:
         return {"error": one_line(error)}
 
 
-def _evaluate(cfg: DictConfig, checkpoint: Path, split: str) -> dict[str, float]:
+def _evaluate(cfg: DictConfig, checkpoint: Path, split: str) -> dict[str, Any]:
     state = load_checkpoint(checkpoint)
     dist = distributed.setup(cfg.trainer, cfg.distributed)
     try:
@@ -72,7 +73,10 @@ def _evaluate(cfg: DictConfig, checkpoint: Path, split: str) -> dict[str, float]
         precision = Precision(cfg.precision.name, dist.device, cfg.precision.init_scale)
         sums = evaluation_sums(model, task, loader, dist.device, precision.autocast,
                                distributed=dist.enabled)
-        return task.eval_metrics(sums, split)
+        # Counted by an all-reduce, as the sums were, rather than read from the config: the
+        # record says how many processes' shards the metrics add up.
+        ranks = distributed.all_reduce_sum(torch.ones(1, device=dist.device))
+        return {"metrics": task.eval_metrics(sums, split), "world_size": int(ranks.item())}
     finally:
         distributed.cleanup()
 
