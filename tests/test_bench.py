@@ -151,6 +151,28 @@ def test_every_timed_target_is_a_ratio_against_a_baseline_of_the_same_run():
         assert not target.figure.endswith(("_s", "_ms")), target
 
 
+def test_the_sweeps_memory_is_judged_per_1000_jobs_above_the_one_job_base():
+    """Peak RSS as a base (one job's sweep) plus a figure per 1,000 jobs, as ms_per_job is
+    taken; the 5,000-job sweep of issue 54 projected from them. Figures from this machine:
+    now (43 MB, then 30 MB per 1,000 jobs) and before the fix (683 MB with torch, then 1.92 GB
+    at 5,000 jobs)."""
+    now = bench_sweep.memory_figures(43.0, 191.0, 5000)
+    assert now["rss_mb_per_1000_jobs"] == pytest.approx(148 / 4.999)
+    assert now["rss_mb_5000_jobs"] == pytest.approx(191.0)
+    before = bench_sweep.memory_figures(683.0, 1918.0, 5000)
+    verdicts = {v.target.figure: v for v in judge(
+        "sweep", {"ms_per_job": 6.4, "hydra_ms_per_job": 100.0, "speedup": 15.6,
+                  "queries_per_pass": 1, **before}, SWEEP_TARGETS)}
+    assert verdicts["rss_mb_per_1000_jobs"].missed
+    assert not verdicts["rss_mb_5000_jobs"].met and not verdicts["rss_mb_5000_jobs"].missed
+    assert all(v.met for v in judge("sweep", {"ms_per_job": 6.4, "hydra_ms_per_job": 100.0,
+                                              "speedup": 15.6, "queries_per_pass": 1, **now},
+                                    SWEEP_TARGETS))
+    # A sweep at the bench's default size: the base is not judged as jobs.
+    small = bench_sweep.memory_figures(43.0, 87.0, 1500)
+    assert small["rss_mb_per_1000_jobs"] < 30 and small["rss_mb_5000_jobs"] < 200
+
+
 def test_a_benchmark_that_cannot_run_misses_its_required_targets_with_the_reason(
         monkeypatch, capsys):
     """No SLURM cluster answers: `labrun bench sweep --check` exits 1 saying why (its three
@@ -165,7 +187,7 @@ def test_a_benchmark_that_cannot_run_misses_its_required_targets_with_the_reason
     assert cli.main(["bench", "sweep", "--check"]) == 1
     out = capsys.readouterr().out
     missed = [line for line in out.splitlines() if line.startswith("target missed:")]
-    assert len(missed) == sum(t.required for t in SWEEP_TARGETS) == 2
+    assert len(missed) == sum(t.required for t in SWEEP_TARGETS) == 3
     assert all("not measured (no SLURM cluster answers here" in line for line in missed)
     assert "labrun bench all --skip sweep" in missed[0]
 
@@ -205,7 +227,8 @@ def fake_benchmarks(monkeypatch, speedup: float, ratio: float, startup_ratio: fl
     # The sweep benchmark submits to a SLURM cluster; its figures here meet every target.
     monkeypatch.setattr(bench_sweep, "run", lambda args: judge(
         "sweep", {"ms_per_job": 10.0, "hydra_ms_per_job": 200.0, "speedup": 20.0,
-                  "queries_per_pass": 1}, SWEEP_TARGETS))
+                  "queries_per_pass": 1, **bench_sweep.memory_figures(40.0, 85.0, 1500)},
+        SWEEP_TARGETS))
     # The dashboard benchmark's real run: tests/test_dashboard.py (on fewer runs).
     monkeypatch.setattr(bench_dashboard, "run", lambda args: judge(
         "dashboard", {"compare_s": 1.0, "read_files_s": 0.5, "compare_ratio": 2.0,

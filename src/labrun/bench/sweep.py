@@ -11,6 +11,12 @@ runs, then cancelled. Without a cluster it says so and measures nothing.
     speedup           hydra_ms_per_job / ms_per_job
     queries_per_pass  the SLURM commands one pass of the launcher's polling
                       (SlurmLauncher.ended) runs for all N jobs, counted by a shim on PATH
+    rss_mb_per_1000_jobs  (the submitting process's peak resident memory for N jobs - that for
+                      one) / (N - 1) x 1000, in MB: what the submission keeps per job, beside
+                      ms_per_job. A base (Python, Hydra, labrun: one_job_rss_mb) plus a figure
+                      per job, not peak / N, which would judge the base at small N.
+    rss_mb_5000_jobs  one_job_rss_mb + 4.999 x rss_mb_per_1000_jobs: the peak of the 5,000-job
+                      sweep of issue 54 (measured with --jobs 5000, projected otherwise)
 The targets are SWEEP_TARGETS below.
 """
 
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,8 +38,15 @@ from labrun.core.project import LABRUN_CONF, TRAIN_COMMAND, project_dir
 # The sweep's targets: a job costs a fifth of Hydra's own per-job compose at most, measured in
 # the same run (ms_per_job itself is printed; seconds depend on the machine), and one SLURM
 # query a polling pass whatever the sweep's size (a count: "< 2" is "at most 1").
+# Memory (peak RSS, ru_maxrss of the submitting process): a ceiling per 1,000 jobs from what a
+# 5,000-job sweep keeps here (31 MB: each job's config pickled, ~25 kB, and its record) with
+# a margin, far under the 250 MB a job's kept composed config cost; the goal, the 5,000-job
+# sweep under 1 GB.
 SWEEP_TARGETS = (Target("speedup", ">=", 5.0, of=("hydra_ms_per_job", "ms_per_job")),
-                 Target("queries_per_pass", "<", 2))
+                 Target("queries_per_pass", "<", 2),
+                 Target("rss_mb_per_1000_jobs", "<", 60.0, of=("sweep_rss_mb", "one_job_rss_mb")),
+                 Target("rss_mb_5000_jobs", "<", 1000.0, required=False,
+                        of=("one_job_rss_mb", "rss_mb_per_1000_jobs")))
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -40,14 +54,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE")
 
 
-def held_sweep(sweep_dir: Path, jobs: int) -> float:
-    """Submit a detached sweep of `jobs` held jobs; its wall time in seconds."""
+# Runs the command argv[2:] as the child of a small Python process, and writes that child's
+# peak resident memory (ru_maxrss, KB) to argv[1]. Not the benchmark's own child: Linux starts
+# a child's ru_maxrss at its parent's resident memory at the fork (the copied pages count),
+# so this process's own (Hydra, the earlier benchmarks) would be counted as the sweep's.
+PEAK_OF_CHILD = ("import os, subprocess, sys\n"
+                 "child = subprocess.Popen(sys.argv[2:])\n"
+                 "_, status, usage = os.wait4(child.pid, 0)\n"
+                 "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+                 "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
+def held_sweep(sweep_dir: Path, jobs: int) -> tuple[float, float]:
+    """Submit a detached sweep of `jobs` held jobs; its wall time in seconds and the peak
+    resident memory of the submitting process in MB."""
+    peak = sweep_dir.parent / f"{sweep_dir.name}.maxrss"
     start = time.perf_counter()
-    subprocess.run([*TRAIN_COMMAND, "-m", "cluster=slurm_dev",
-                    "+cluster.extra_sbatch.hold=true", "cluster.detach=true", "logger=csv",
-                    f"seed=range(0,{jobs})", f"hydra.sweep.dir={sweep_dir}"],
+    subprocess.run([sys.executable, "-c", PEAK_OF_CHILD, str(peak), *TRAIN_COMMAND, "-m",
+                    "cluster=slurm_dev", "+cluster.extra_sbatch.hold=true",
+                    "cluster.detach=true", "logger=csv", f"seed=range(0,{jobs})",
+                    f"hydra.sweep.dir={sweep_dir}"],
                    cwd=project_dir() or Path.cwd(), check=True, capture_output=True, text=True)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, int(peak.read_text()) / 1024  # KB on Linux
 
 
 def hydra_compose_ms(jobs: int = 10) -> float:
@@ -114,10 +142,10 @@ def run(args: argparse.Namespace) -> list[Verdict]:
         folder = Path(tmp)
         ids: list[str] = []
         try:
-            one = held_sweep(folder / "one", 1)
+            one, one_rss = held_sweep(folder / "one", 1)
             ids += [row["job_id"] for row in json.loads(
                 (folder / "one" / "jobs.json").read_text())["jobs"]]
-            many = held_sweep(folder / "many", args.jobs)
+            many, many_rss = held_sweep(folder / "many", args.jobs)
             ids += [row["job_id"] for row in json.loads(
                 (folder / "many" / "jobs.json").read_text())["jobs"]]
             (folder / "shims").mkdir()
@@ -126,10 +154,23 @@ def run(args: argparse.Namespace) -> list[Verdict]:
             SlurmScheduler().cancel(sorted({job_id.split("_")[0] for job_id in ids}))
     figures = {"jobs": args.jobs, "one_job_s": one, "sweep_s": many,
                "ms_per_job": (many - one) / (args.jobs - 1) * 1000,
-               "hydra_ms_per_job": hydra_compose_ms(), "queries_per_pass": queries}
+               "hydra_ms_per_job": hydra_compose_ms(), "queries_per_pass": queries,
+               **memory_figures(one_rss, many_rss, args.jobs)}
     figures["speedup"] = figures["hydra_ms_per_job"] / figures["ms_per_job"]
     print(f"{args.jobs} held jobs submitted in {many:.1f} s (one job: {one:.1f} s): "
           f"{figures['ms_per_job']:.1f} ms a job; Hydra's compose alone "
           f"{figures['hydra_ms_per_job']:.1f} ms a job; {queries} SLURM queries a polling pass")
+    print(f"peak resident memory: {many_rss:.0f} MB ({one_rss:.0f} MB for one job): "
+          f"{figures['rss_mb_per_1000_jobs']:.1f} MB per 1,000 jobs beside "
+          f"{figures['ms_per_job']:.1f} ms a job; 5,000 jobs: "
+          f"{figures['rss_mb_5000_jobs']:.0f} MB")
     write_json(args.json, figures)
     return judge("sweep", figures, SWEEP_TARGETS)
+
+
+def memory_figures(one_rss_mb: float, sweep_rss_mb: float, jobs: int) -> dict[str, float]:
+    """The peak-memory figures of a sweep of `jobs` against one of one job (module docstring)."""
+    per_1000 = (sweep_rss_mb - one_rss_mb) / (jobs - 1) * 1000
+    return {"one_job_rss_mb": one_rss_mb, "sweep_rss_mb": sweep_rss_mb,
+            "rss_mb_per_1000_jobs": per_1000,
+            "rss_mb_5000_jobs": one_rss_mb + per_1000 * 4999 / 1000}

@@ -104,7 +104,11 @@ def python_gc_kept_off():
     they are planned, then frozen (gc.freeze: left out of every later collection). Planning
     leaves almost no cyclic garbage (gc.collect() finds 33 objects after 1,500 jobs), so
     freezing loses nothing; what submitting leaves is collected as usual. Not for a search:
-    its trials are planned one at a time, and their configs end with them."""
+    its trials are planned one at a time, and their configs end with them.
+
+    A launcher that drops each job's config once planned (SlurmLauncher.prepare) frees it with
+    free_dropped_config: a config is cyclic garbage (its nodes point to their parents), which
+    only the collector frees."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -113,3 +117,12 @@ def python_gc_kept_off():
         gc.freeze()
         if enabled:
             gc.enable()
+
+
+def free_dropped_config() -> None:
+    """Free the config of the job just planned, which its launcher has dropped, while
+    python_gc_kept_off holds the collector off: with it off, nothing is collected, so every
+    object made since the last call (that job's config, thousands of them) is in the youngest
+    generation, and collecting that generation alone walks each once. Left to the collector,
+    a 5,000-job grid spent a third more time a job (each config walked again as it aged)."""
+    gc.collect(0)

@@ -39,6 +39,7 @@ from labrun.core.files import atomic_path
 from labrun.core.project import TRAIN_COMMAND, project_dir
 from labrun.core.scheduler import LIVE_STATES, SlurmScheduler
 from labrun.launch import SLURM_COMMENT_PREFIX, container, sweep
+from labrun.launch.compose import free_dropped_config
 from labrun.launch.slurm_limits import (
     check_controller,
     check_resources,
@@ -85,6 +86,47 @@ class SlurmLauncher(sweep.SweepLauncher):
         self._snapshot: Path | None = None
         self._unknown_since: dict[int, float] = {}  # job num -> when SLURM first did not know it
         self._submitted_from: str | None = None  # the folder of the first submission (begin)
+        # What prepare() keeps of each planned job: job num -> (its request's index in
+        # _requests, its config pickled, as its array task gets it).
+        self._prepared: dict[int, tuple[int, bytes]] = {}
+        # Each distinct request: (its key, the first such job's cluster config, submitit's
+        # parameters, the container's). Its jobs' requests are equal, whatever config they had.
+        self._requests: list[tuple[str, DictConfig, dict[str, Any], dict[str, Any]]] = []
+        self._request_index: dict[str, int] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled for every task (shared_file): not what the submitter keeps of each job.
+        return {**super().__getstate__(), "_prepared": {}, "_requests": [], "_request_index": {}}
+
+    def _first_submission(self) -> None:
+        """The stamp, snapshot folder and submitting folder every submission of this
+        launcher shares, fixed at its first job."""
+        if self._stamp is None:
+            self._stamp = time.strftime("%Y%m%d-%H%M%S")
+            self._snapshot = (self.sweep_dir / ".code" / self._stamp if self.config.cluster.snapshot
+                              else None)
+            # Relative paths of the config are relative to it (before the snapshot is entered).
+            self._submitted_from = os.getcwd()
+
+    def prepare(self, job: Job) -> None:
+        """What submitting the job needs, from its config, which is then dropped: its request
+        (submitit's and the container's parameters: one array per distinct one) and the config
+        pickled for its task. A 5,000-job grid held every job's composed config until it was
+        submitted (200 kB each, 1 GB resident); its pickle is a seventh of that, and the
+        pickling was done at submission anyway."""
+        if job.state == "pending":
+            self._first_submission()
+            params = executor_parameters(job.config.cluster, self.config, self._snapshot)
+            in_container = self.container_parameters(job)
+            key = repr((sorted(params.items()), sorted(in_container.items()),
+                        job.config.cluster.max_num_timeout))
+            index = self._request_index.get(key)
+            if index is None:
+                index = self._request_index[key] = len(self._requests)
+                self._requests.append((key, job.config.cluster, params, in_container))
+            self._prepared[job.num] = (index, pickle.dumps(job.config))
+        job.config = None
+        free_dropped_config()
 
     def begin(self, jobs: list[Job]) -> None:
         """Submit the jobs as job arrays: one per distinct resource request (a trial of a
@@ -94,22 +136,19 @@ class SlurmLauncher(sweep.SweepLauncher):
         part of it (check_resources, check_submission); an sbatch that fails half-way cancels
         the arrays submitted before it."""
         cluster, sweep_dir = self.config.cluster, self.sweep_dir
-        if self._stamp is None:
-            self._stamp = time.strftime("%Y%m%d-%H%M%S")
-            self._snapshot = sweep_dir / ".code" / self._stamp if cluster.snapshot else None
-            # Relative paths of the config are relative to it (before the snapshot is entered).
-            self._submitted_from = os.getcwd()
+        for job in jobs:
+            if job.config is not None:  # not planned by this launcher (cluster_run's run)
+                self.prepare(job)
         # One array per distinct resource request (a sweep over trainer.devices, say, asks
         # for different tasks and GPUs per node) and container (its mounts follow the paths).
-        groups: dict[str, list[Job]] = {}
+        groups: dict[int, list[Job]] = {}
         for job in jobs:
-            params = {**executor_parameters(job.config.cluster, self.config, self._snapshot),
-                      **self.container_parameters(job)}
-            groups.setdefault(repr(sorted(params.items())), []).append(job)
+            groups.setdefault(self._prepared[job.num][0], []).append(job)
         limits = cluster_limits()
-        for group in groups.values():
-            check_resources(group[0].config.cluster, limits)
-        check_submission([job.config.cluster for job in jobs], limits)
+        for index in groups:
+            check_resources(self._requests[index][1], limits)
+        check_submission([self._requests[self._prepared[job.num][0]][1] for job in jobs],
+                         limits)
         # Each request's jobs in arrays that fit the cluster. cluster.array_parallelism is
         # SLURM's %N throttle, which holds per array: the sweep's requests share it out
         # (throttle_shares), and each array a request was split into starts once the one
@@ -122,16 +161,16 @@ class SlurmLauncher(sweep.SweepLauncher):
             log.warning("cluster.array_parallelism=%d is fewer than the sweep's %d resource "
                         "requests: each runs one job at a time, %d at once", parallelism,
                         len(groups), len(groups))
-        arrays = [(chunk, share, i > 0 and bool(parallelism))
-                  for group, share in zip(groups.values(), shares, strict=True)
+        arrays = [(index, chunk, share, i > 0 and bool(parallelism))
+                  for (index, group), share in zip(groups.items(), shares, strict=True)
                   for i, chunk in enumerate(split(group, limits.max_array_size))]
         submitted: list[str] = []
         task = ArrayTask(sweep_dir, self._submitted_from)
         try:
             with code_snapshot(self._snapshot):
-                for array, share, chained in arrays:
-                    submitted.append(self._submit_array(task, array, share, submitted[-1]
-                                                        if chained else None))
+                for index, array, share, chained in arrays:
+                    submitted.append(self._submit_array(task, index, array, share,
+                                                        submitted[-1] if chained else None))
         except Exception as error:
             with contextlib.suppress(probes.SlurmError):
                 SlurmScheduler().cancel(submitted)
@@ -139,14 +178,15 @@ class SlurmLauncher(sweep.SweepLauncher):
                               f"{len(arrays)} arrays ({one_line(error)}); those were "
                               f"cancelled, nothing of the sweep is queued") from error
 
-    def _submit_array(self, task: ArrayTask, jobs: list[Job], throttle: int | None,
-                      after: str | None) -> str:
-        """One job array of `jobs`, each task running `task`, at most `throttle` of them at
-        once, dependent on the array `after` (its SLURM id) ending; returns the array's id."""
+    def _submit_array(self, task: ArrayTask, request: int, jobs: list[Job],
+                      throttle: int | None, after: str | None) -> str:
+        """One job array of `jobs`, of the request `request` (an index in _requests), each
+        task running `task`, at most `throttle` of them at once, dependent on the array
+        `after` (its SLURM id) ending; returns the array's id."""
         import submitit
 
-        params = executor_parameters(jobs[0].config.cluster, self.config, self._snapshot)
-        in_container = self.container_parameters(jobs[0])
+        _, cluster, params, in_container = self._requests[request]
+        params = dict(params)
         if in_container:
             params["slurm_srun_args"] = in_container["srun_args"]
             params["slurm_setup"] = [*params.get("slurm_setup", []), *in_container["setup"]]
@@ -160,11 +200,11 @@ class SlurmLauncher(sweep.SweepLauncher):
             params["slurm_additional_parameters"] = extra
         folder = self.sweep_dir / ".submitit" / self._stamp
         executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm",
-                                         slurm_max_num_timeout=jobs[0].config.cluster.max_num_timeout,
+                                         slurm_max_num_timeout=cluster.max_num_timeout,
                                          slurm_python=in_container.get("python"))
         executor.update_parameters(**params)
         task.shared = self.shared_file(folder)
-        handles = executor.map_array(task, [pickle.dumps(job.config) for job in jobs])
+        handles = executor.map_array(task, [self._prepared.pop(job.num)[1] for job in jobs])
         submitted_at = time.time()
         # A line a job for a small sweep; a large one gets its arrays' lines (below) alone.
         level = logging.INFO if len(jobs) <= 10 else logging.DEBUG

@@ -22,19 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from labrun.core.errors import ConfigError
-from labrun.models import pretrained
 from labrun.train import initial_weights
+from labrun.train.fine_tune_keys import asked
 
 log = logging.getLogger(__name__)
 
 # Keys of the optimizer's config that labrun reads itself, not the optimizer's arguments.
 OPTIMIZER_KEYS = ("groups", "backbone_lr_mult")
-
-
-def asked(cfg: DictConfig) -> bool:
-    model, optimizer = cfg.model, cfg.optimizer
-    return bool(pretrained.asked_for(model) or model.get("init_from") or model.get("freeze")
-                or optimizer.get("groups") or optimizer.get("backbone_lr_mult") is not None)
 
 
 def check(cfg: DictConfig, build: Callable[[], nn.Module], num_classes: int | None) -> None:

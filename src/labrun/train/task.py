@@ -98,8 +98,7 @@ class Classification:
         patterns that match no parameter: train/fine_tuning.py). The class count does not
         change a parameter's name, nor a tensor outside the head."""
         from labrun.core.errors import ConfigError
-        from labrun.data.image import check_folds
-        from labrun.train import fine_tuning
+        from labrun.train import fine_tune_keys
 
         if ("ignore_index" in cfg.dataset) != cls.dense:  # only datasets of masks have one
             raise ConfigError(
@@ -108,10 +107,18 @@ class Classification:
                 if cls.dense else
                 f"dataset {cfg.dataset.get('name')} holds masks, a label per pixel; train it "
                 f"with task=segmentation")
-        check_folds(cfg.dataset)  # a format with a val split of its own takes no folds
-        placeholder = {"class_names": ["a", "b"]}
-        fine_tuning.check(cfg, lambda: cls().build_model(cfg.model, placeholder),
-                          len(placeholder["class_names"]))
+        # labrun.data and fine_tuning import torch, which a sweep's submitter (launch/sweep.plan
+        # checks every job) loads only for a job that has folds or fine-tunes: 650 MB resident.
+        if cfg.dataset.get("num_folds"):  # a format with a val split of its own takes no folds
+            from labrun.data.image import check_folds
+
+            check_folds(cfg.dataset)
+        if fine_tune_keys.asked(cfg):
+            from labrun.train import fine_tuning
+
+            placeholder = {"class_names": ["a", "b"]}
+            fine_tuning.check(cfg, lambda: cls().build_model(cfg.model, placeholder),
+                              len(placeholder["class_names"]))
 
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:
