@@ -28,12 +28,20 @@ from labrun.bench import write_json
 from labrun.bench.targets import Target, Verdict, judge, unmeasured
 from labrun.core.project import LABRUN_CONF, TRAIN_COMMAND, project_dir
 
-# The sweep's targets: a job costs a fifth of Hydra's own per-job compose at most, measured in
-# the same run (ms_per_job itself is printed; seconds depend on the machine), and one SLURM
-# query a polling pass whatever the sweep's size (a count: "< 2" is "at most 1").
-SWEEP_TARGETS = (Target("speedup", ">=", 5.0, of=("hydra_ms_per_job", "ms_per_job")),
-                 Target("queries_per_pass", "<", 2))
-
+# The sweep's targets: the goal, a job costs a fifth of Hydra's own per-job compose at most,
+# measured in the same run (ms_per_job itself is printed; seconds depend on the machine), and one
+# SLURM query a polling pass whatever the sweep's size (a count: "< 2" is "at most 1"; its floor is
+# its goal). The speedup's floor: seven runs with 1,500 jobs here (five of `labrun bench sweep`,
+# the last two in `make bench`) gave 26.4 22.4 26.8 27.5 33.2 33.7 31.3, the worst moved by
+# targets.WIDE_MARGIN (25%: a spread of 50%, the submission's processes and Hydra's compose in this
+# one timed at different moments of the load) -> 16. It catches a job costing 70% more than in a
+# typical run here (the median, 27.5), 40% more than in the worst (composing each job's config from
+# scratch again, as Hydra does, would bring the speedup near 1), which the goal (5) would let
+# through until a job cost five times as much.
+SWEEP_TARGETS = (Target("speedup", ">=", floor=16.0, goal=5.0,
+                        of=("hydra_ms_per_job", "ms_per_job"),
+                        runs=(26.4, 22.4, 26.8, 27.5, 33.2, 33.7, 31.3)),
+                 Target("queries_per_pass", "<", floor=2, goal=2))
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=1500, help="jobs in the sweep (default 1500)")
