@@ -406,3 +406,24 @@ def test_one_benchmark_with_check_through_the_cli(monkeypatch, capsys):
     assert cli.main(["bench", "trainer"]) == 0
     assert capsys.readouterr().out.count("target missed: trainer ratio: measured ") == 1
 
+
+def test_the_readme_lists_every_target_with_its_floor_goal_and_runs():
+    """README's Benchmarks table: one row per target of every benchmark, its direction, floor,
+    goal and the runs that set its floor, as the constants state them."""
+    from conftest import PROJECT
+
+    text = (PROJECT / "README.md").read_text()
+    section = text[text.index("\n## Benchmarks\n"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = (cell.strip() for cell in line.strip("|").split("|"))
+            bench, figure, better, floor, goal, runs = cells
+            name = f"{bench.strip('`')} {figure.split(':')[0].strip('`')}"
+            rows[name] = (better, floor, goal, runs)
+    assert set(rows) == set(BETTER)
+    for bench, target in EVERY:
+        assert rows[f"{bench} {target.figure}"] == (
+            BETTER[f"{bench} {target.figure}"].split()[0], f"{target.op} {target.floor:g}",
+            f"{target.op} {target.goal:g}", target.spread()), f"{bench} {target.figure}"
