@@ -22,7 +22,7 @@ train: $(TRAIN_STAMP)   ## the default job: digits, small CNN, CPU, about a minu
 test: $(TEST_STAMP)     ## every test; as root it brings up the test SLURM cluster first
 	bash scripts/test.sh
 
-bench: $(TRAIN_STAMP)   ## benchmarks as ratios against a baseline of the same run; exit 1 on a missed target
+bench: $(TRAIN_STAMP)   ## benchmarks as ratios against a baseline of the same run; exit 1 on a broken floor
 	bash scripts/bench.sh
 
 lint: $(TRAIN_STAMP)

@@ -1,6 +1,7 @@
-"""`labrun bench data` and `labrun bench trainer`, shrunk to smoke runs: every pipeline runs,
-the JSON has the keys, and --check's exit status agrees with the measured figures (whatever
-they are on this machine: speed is never asserted here)."""
+"""`labrun bench data`, `labrun bench trainer` and `labrun bench startup`, shrunk to smoke runs:
+every pipeline runs, the JSON has the keys, the verdict table shows each target's floor and
+goal, and --check's exit status agrees with the measured figures (whatever they are on this
+machine: speed is never asserted here). `labrun bench sweep`'s: tests/test_sweep_scale.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from labrun.bench.data import (
     labrun_loader,
     seconds_per_sample,
 )
-from labrun.bench.trainer import TRAINER_TARGETS
+from labrun.bench.targets import number
+from labrun.bench.trainer import STARTUP_TARGETS, TRAINER_TARGETS
 from labrun.data.image.transforms import TrainTransform
 
 SMALL = argparse.Namespace(size=64, workers=2, passes=2, batch_size=8)  # labrun_data's args
@@ -116,3 +118,25 @@ def test_bench_trainer_runs_the_session_and_the_bare_loop_on_the_same_batches(tm
     for target in TRAINER_TARGETS:
         shown = f"target missed: trainer {target.figure}:" in result.stdout
         assert shown == (target.figure in missed), target.figure
+
+
+def test_bench_startup_times_a_real_run_to_its_first_step_against_the_import(tmp_path):
+    """One repeat (make bench takes the best of three): `python train.py` to its first step
+    and the baseline process, both for real; the ratio, the table and --check's verdict."""
+    out = tmp_path / "startup.json"
+    result = run_labrun("bench", "startup", "--repeats", "1", "--json", str(out), "--check",
+                        check=False)
+    assert out.is_file(), result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["baseline_s"] > 0 and figures["first_step_s"] > 0
+    assert abs(figures["startup_ratio"] - figures["first_step_s"] / figures["baseline_s"]) < 1e-9
+    assert "python train.py to its first step" in result.stdout
+    for target in STARTUP_TARGETS:
+        (row,) = [line for line in result.stdout.splitlines()
+                  if f" startup {target.figure} " in line]
+        assert f"{target.op} {target.floor:g}" in row and f"{target.op} {target.goal:g}" in row
+        assert f"first_step_s {number(figures['first_step_s'])}" in row
+    missed = [t.figure for t in STARTUP_TARGETS if not t.met(figures[t.figure])]
+    assert result.returncode == (1 if missed else 0), result.stdout[-3000:] + result.stderr
+    assert [line.split(":")[1].strip() for line in result.stdout.splitlines()
+            if line.startswith("target missed:")] == [f"startup {figure}" for figure in missed]

@@ -122,6 +122,21 @@ def test_make_test_and_make_bench_stop_only_a_cluster_they_started(tmp_path, scr
     assert (project / "slurm-down-ran").exists() is not already_up
 
 
+@pytest.mark.parametrize("status", [0, 1])
+def test_make_bench_exits_with_the_status_of_labrun_bench_all_check(tmp_path, status):
+    """scripts/bench.sh runs `labrun bench all --check` and ends with its status: 1 when a
+    floor is broken (tests/test_bench.py shows when that command exits 1), 0 when none is,
+    whatever its cluster clean-up does after."""
+    project = fake_project(tmp_path, "exit 0\n")
+    python = project / ".venv" / "bin" / "python"
+    python.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/bench-ran\nexit {status}\n")
+    result = subprocess.run(["bash", "scripts/bench.sh"], cwd=project, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == status, result.stderr
+    assert (project / "bench-ran").read_text().split() == ["-m", "labrun.cli", "bench", "all",
+                                                           "--check"]
+
+
 def test_without_root_make_test_refuses_in_one_line_unless_told_to_skip_slurm(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to run the script as another, unprivileged user")

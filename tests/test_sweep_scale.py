@@ -2,12 +2,13 @@
 trains, nothing costs a CPU) and cancelled at the end: 1,500 jobs split at SLURM's MaxArraySize
 (1001 by default) and polled with one query a pass; a cluster whose MaxArraySize is 101, where
 array_parallelism holds across the arrays through their dependencies; a sweep of two resource
-requests, which share array_parallelism out; and a QOS's submit limit, which refuses the sweep
-before anything is submitted."""
+requests, which share array_parallelism out; a QOS's submit limit, which refuses the sweep
+before anything is submitted; and `labrun bench sweep`, for real on 50 held jobs."""
 
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import re
 import signal
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 from test_cluster_slurm import slurm  # noqa: F401 - the fixture that fails without a cluster
 
-from conftest import FAST, PROJECT, PYTHON, manifest
+from conftest import FAST, PROJECT, PYTHON, manifest, run_labrun
+from labrun.bench.sweep import SWEEP_TARGETS
 
 pytestmark = pytest.mark.slurm
 
@@ -233,3 +235,29 @@ def test_max_job_count_refuses_a_sweep_the_controller_could_not_hold(composed):
     assert str(refused.value).startswith(
         f"the controller holds at most {queued + 4} queued jobs of all users at once "
         f"(MaxJobCount); {queued} are queued and this sweep would add 5")
+
+
+def test_bench_sweep_submits_a_held_sweep_and_judges_its_figures(tmp_path):
+    """`labrun bench sweep` (what `make bench` runs with 1,500 jobs) on 50: it submits its held
+    sweeps to the test cluster, measures every figure and prints the verdict table; --check's
+    exit status agrees with the figures it wrote (their speed is make bench's to judge)."""
+    out = tmp_path / "sweep.json"
+    result = run_labrun("bench", "sweep", "--jobs", "50", "--json", str(out), "--check",
+                        check=False)
+    assert out.is_file(), result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["jobs"] == 50
+    assert figures["sweep_s"] > 0 and figures["one_job_s"] > 0
+    assert figures["ms_per_job"] == \
+        pytest.approx((figures["sweep_s"] - figures["one_job_s"]) / 49 * 1000)
+    assert figures["hydra_ms_per_job"] > 0
+    assert figures["speedup"] == pytest.approx(figures["hydra_ms_per_job"] / figures["ms_per_job"])
+    assert figures["queries_per_pass"] >= 1  # the polling pass ran its query through the shim
+    assert "50 held jobs submitted in" in result.stdout
+    for target in SWEEP_TARGETS:
+        (row,) = [line for line in result.stdout.splitlines() if f" sweep {target.figure} " in line]
+        assert f"{target.op} {target.floor:g}" in row and f"{target.op} {target.goal:g}" in row
+    missed = [t.figure for t in SWEEP_TARGETS if not t.met(figures[t.figure])]
+    assert result.returncode == (1 if missed else 0), result.stdout[-3000:] + result.stderr
+    assert [line.split(":")[1].strip() for line in result.stdout.splitlines()
+            if line.startswith("target missed:")] == [f"sweep {figure}" for figure in missed]

@@ -10,12 +10,15 @@
 Each benchmark is a configure(parser) + run(args) pair, named in BENCHES by module and
 function, so a new one joins with one line and without touching the others. run(args) returns
 judge(...) of its figures against its targets, which each module states once, in a *_TARGETS
-constant (a Target's `of` names the measured and baseline figures it compares); report() prints
-one table of every verdict (figure, measured, baseline, value, target, met or NOT met; `all`
-prints one table for every benchmark at the end), and with --check exits 1 when a required
-target is missed (one line per miss: benchmark, figure, measured, target). A benchmark that
-cannot run here returns unmeasured(...) verdicts: a required target with no figure is a miss,
-with its reason; `bench all --skip NAME` leaves it out, and the summary says so.
+constant: a Target's floor (required: set from runs of the benchmark on this project's machine,
+which it records, minus a margin) and goal (the stretch figure), and its `of`, the measured and
+baseline figures it compares. report() prints one table of every verdict (figure, measured,
+baseline, value, floor, goal, the distance to the goal, the runs that set the floor, met or NOT
+met on the floor; `all` prints one table for every benchmark at the end), and with --check
+exits 1 when a required floor is broken (one line per miss: benchmark, figure, measured, floor
+and goal). A benchmark that cannot run here returns unmeasured(...) verdicts: a required floor
+with no figure is a miss, with its reason; `bench all --skip NAME` leaves it out, and the
+summary says so. The README's Benchmarks section lists every target's floor and goal.
 
 The data benchmark is data.py; the `labrun bench` command's arguments are labrun.cli.bench.
 """

@@ -35,12 +35,32 @@ from labrun.bench.targets import Target, Verdict, judge
 from labrun.core.project import LABRUN_CONF, TRAIN_COMMAND
 from labrun.runs.rundir import RunDir
 
-# labrun's loop may cost at most 3% of a hand-written one's throughput; a run may take at most
-# 1.5 times as long to its first step as importing torch and composing the config take (the
-# old bound, 1.5 s over a 3 s import, as a ratio measured in one run).
-TRAINER_TARGETS = (Target("ratio", ">=", 0.97, of=("session", "bare")),
-                   Target("lm_ratio", ">=", 0.97, of=("lm_session", "lm_bare")))
-STARTUP_TARGETS = (Target("startup_ratio", "<", 1.5, of=("first_step_s", "baseline_s")),)
+# The goals: labrun's loop may cost at most 3% of a hand-written one's throughput; a run may take
+# at most 1.5 times as long to its first step as importing torch and composing the config take (the
+# old bound, 1.5 s over a 3 s import, as a ratio measured in one run). The floors: runs here (2
+# cores shared with other engineers' tests, load 2-6): eight of the trainer (six of `labrun bench
+# trainer`, two in `make bench`), seven of the start-up (five and two), the worst moved by
+# targets.WIDE_MARGIN (25%: every one of these figures spread by 40% or more with the load).
+#   ratio 0.553 1.20 0.990 1.03 0.984 1.52 0.333 0.966 -> floor 0.24. Each loop keeps its best of
+#     five rounds of 5-17 s, so a quiet moment that falls in one loop's rounds and not the other's
+#     decides the ratio: 0.333 (bare 86 images/s, the session 29) and 1.52 (bare 17, the session
+#     27) came within the same hour at load 4-5. The floor therefore catches only a Trainer at
+#     under a quarter of a bare loop's speed (76% lost against the median, 0.987): gross breakage;
+#     anything less passes it, and shows in the goal's distance. A tighter floor needs a steadier
+#     measurement (each round's ratio of adjacent epochs, say).
+#   lm_ratio 1.25 1.04 1.09 0.969 1.02 0.859 1.01 1.05 -> floor 0.64. It catches a task=lm loop
+#     that lost 38% against nanoGPT's in a typical run (1.03), a quarter in the worst.
+#   startup_ratio 0.934 1.33 1.18 1.21 1.15 1.25 1.16 -> floor 1.7 (lower is better: the most it
+#     may be). It catches a first step that comes 44% later, against the baseline, than in a
+#     typical run here (1.18), 28% later than in the worst: some 2 s more over a 4-5 s baseline (an
+#     eager import of a heavy package, say, or data read through first).
+TRAINER_TARGETS = (Target("ratio", ">=", floor=0.24, goal=0.97, of=("session", "bare"),
+                          runs=(0.553, 1.2, 0.99, 1.03, 0.984, 1.52, 0.333, 0.966)),
+                   Target("lm_ratio", ">=", floor=0.64, goal=0.97, of=("lm_session", "lm_bare"),
+                          runs=(1.25, 1.04, 1.09, 0.969, 1.02, 0.859, 1.01, 1.05)))
+STARTUP_TARGETS = (Target("startup_ratio", "<", floor=1.7, goal=1.5,
+                          of=("first_step_s", "baseline_s"),
+                          runs=(0.934, 1.33, 1.18, 1.21, 1.15, 1.25, 1.16)),)
 # The baseline process: torch, torchvision and Hydra's compose of conf/train.yaml, then the time.
 BASELINE = """import time, torch, torchvision
 from hydra import compose, initialize_config_dir
