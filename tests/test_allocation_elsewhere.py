@@ -71,3 +71,19 @@ def test_what_the_allocation_cannot_run_is_one_line_before_srun(tmp_path, asked,
     with pytest.raises(ConfigError) as refused:
         cluster_run.allocation_command(config(tmp_path, **asked), held(**allocation), ARGV)
     assert str(refused.value) == line
+
+
+def test_an_allocation_with_fewer_gpus_a_node_than_trainer_devices_is_refused(tmp_path):
+    """The GPUs the scheduler says the allocation holds (all nodes together) are counted a node
+    before srun: 2 GPUs on 2 nodes are 1 a node, too few for trainer.devices=2; 4 are enough.
+    None (a run that asks no GPUs) is not counted."""
+    two_nodes = config(tmp_path, devices=2, num_nodes=2)
+    with pytest.raises(ConfigError) as refused:
+        cluster_run.allocation_command(two_nodes, held(num_nodes=2, tasks=4), ARGV, gpus=2)
+    assert str(refused.value) == (
+        "slurm job 14, the allocation this shell holds on node[2-3], has 1 GPU(s) a node: "
+        "trainer.devices=2 needs 2; ask salloc for --gpus-per-node=2, or lower "
+        "trainer.devices")
+    for gpus in (4, None):
+        assert cluster_run.allocation_command(two_nodes, held(num_nodes=2, tasks=4), ARGV,
+                                              gpus=gpus)[0] == "srun"

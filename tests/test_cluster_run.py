@@ -266,13 +266,15 @@ def test_inside_an_allocation_the_run_trains_there(tmp_path):
     assert not (tmp_path / "two" / "summary.json").exists()
 
 
-def in_salloc(partition: str, *options: str, overrides: list[str]) -> list[str]:
+def in_salloc(partition: str, *options: str, overrides: list[str],
+              step: tuple[str, ...] = ()) -> list[str]:
     """`salloc ... python train.py cluster=slurm_dev ...`: salloc runs the command in its shell
     on this host, which is none of the allocation's nodes (the test cluster has no
-    LaunchParameters=use_interactive_step, and its nodes are other hosts: node1..node3). The
-    time limit bounds an allocation a failed test would leave."""
+    LaunchParameters=use_interactive_step, and its nodes are other hosts: node1..node3); with
+    `step` (srun and its options), the person's own step runs it on the nodes. The time limit
+    bounds an allocation a failed test would leave."""
     return ["salloc", "-p", partition, "-N1", "-c1", "-t", "2", f"--job-name={ALLOCATION_NAME}",
-            *options, PYTHON, "train.py", "cluster=slurm_dev", *FAST, *overrides]
+            *options, *step, PYTHON, "train.py", "cluster=slurm_dev", *FAST, *overrides]
 
 
 def granted(result: subprocess.CompletedProcess | tuple[str, str]) -> str:
@@ -307,24 +309,47 @@ def test_from_salloc_s_shell_outside_its_nodes_the_run_trains_in_the_allocation(
     assert not (run_dir / "jobs.json").exists()
 
 
-def test_an_salloc_with_fewer_nodes_than_the_run_asks_is_refused(tmp_path):
-    """Nodes are counted before any step: one line, exit 2, nothing started, nothing trains.
-    (Too few GPUs is refused in the step, where SLURM_GPUS_ON_NODE is told; that path is not
-    run here: one of its two tasks was seen to wait until the allocation's time limit.)"""
-    nodes = subprocess.Popen(in_salloc("dev", "-n1", overrides=[
-        "trainer.num_nodes=2", f"hydra.run.dir={tmp_path / 'nodes'}"]),
-        cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    STARTED.append(nodes)
-    nodes_said = nodes.communicate(timeout=240)
+def test_an_salloc_with_fewer_gpus_or_nodes_than_the_run_asks_is_refused(tmp_path):
+    """From salloc's shell, nodes and GPUs are counted before any step (the GPUs as SLURM holds
+    them for the allocation: the shell is told none): one line, exit 2, nothing started. In the
+    person's own step (`srun python train.py`), each task counts the SLURM_GPUS_ON_NODE it is
+    told and refuses before the run folder's lock, so no task waits for a rank 0 that refused
+    (one did, until the allocation's time limit). Nothing trains."""
+    two_gpus = ["trainer.devices=2", "cluster.gpus_per_node=2"]
+    started = {
+        "nodes": in_salloc("dev", "-n1", overrides=[
+            "trainer.num_nodes=2", f"hydra.run.dir={tmp_path / 'nodes'}"]),
+        "gpus": in_salloc("gpu", "-n2", "--gpus-per-node=1", overrides=[
+            *two_gpus, f"hydra.run.dir={tmp_path / 'gpus'}"]),
+        "step": in_salloc("gpu", "-n2", "--gpus-per-node=1", step=("srun", "--ntasks=2"),
+                          overrides=[*two_gpus, f"hydra.run.dir={tmp_path / 'step'}"])}
+    procs = {name: subprocess.Popen(command, cwd=PROJECT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for name, command in started.items()}
+    STARTED.extend(procs.values())
+    said = {name: proc.communicate(timeout=240) for name, proc in procs.items()}
 
-    assert nodes.returncode == 2, nodes_said
-    job = granted(nodes_said)
-    [line] = [line for line in nodes_said[1].splitlines() if not line.startswith("salloc:")]
-    assert re.fullmatch(rf"error: slurm job {job}, the allocation this shell holds on node\d, "
-                        rf"has 1 node\(s\): trainer.num_nodes=2; ask salloc for --nodes=2, or "
-                        rf"leave the allocation to submit a job", line), nodes_said
-    assert "srun" not in nodes_said[0]  # no step started
-    assert not (tmp_path / "nodes" / "summary.json").exists()
+    def refusals(name: str) -> list[str]:
+        assert procs[name].returncode == 2, said[name]
+        return [line for line in said[name][1].splitlines()
+                if not line.startswith(("salloc:", "srun:"))]
+
+    held = rf"error: slurm job {granted(said['nodes'])}, the allocation this shell holds on node\d,"
+    [line] = refusals("nodes")
+    assert re.fullmatch(rf"{held} has 1 node\(s\): trainer.num_nodes=2; ask salloc for "
+                        rf"--nodes=2, or leave the allocation to submit a job", line), said
+    held = rf"error: slurm job {granted(said['gpus'])}, the allocation this shell holds on node\d,"
+    [line] = refusals("gpus")
+    assert re.fullmatch(rf"{held} has 1 GPU\(s\) a node: trainer.devices=2 needs 2; ask salloc "
+                        rf"for --gpus-per-node=2, or lower trainer.devices", line), said
+    for name in ("nodes", "gpus"):
+        assert "srun" not in said[name][0]  # no step started
+    refusal = (f"error: inside slurm job {granted(said['step'])}, which has 1 GPU(s) a node: "
+               f"trainer.devices=2 x trainer.num_nodes=1 needs 2 GPUs; ask the allocation for "
+               f"--gpus-per-node=2, or lower trainer.devices")
+    assert refusals("step") == [refusal, refusal]  # each of the step's two tasks
+    for name in started:
+        assert not (tmp_path / name / "summary.json").exists()
 
 
 def test_a_run_folder_on_this_machine_is_cancelled_with_a_checkpoint(tmp_path):

@@ -112,6 +112,7 @@ class RunLockCallback(Callback):
         from labrun.runs import lock
         from labrun.runs.rundir import RunDir
 
+        refuse_outside_fit(config)
         # run_job makes the same path of hydra.run.dir (`now` is cached, the token is in the
         # environment: the value is the one run_job will get).
         run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
@@ -129,6 +130,31 @@ class RunLockCallback(Callback):
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+def refuse_outside_fit(config) -> None:
+    """Inside a person's own allocation (srun python train.py), each rank refuses an allocation
+    smaller than the run (validation.check_single_run) before the lock, not in train_task: a
+    rank other than 0 would otherwise wait for the lock of a rank 0 that had refused
+    (lock.follow, up to its timeout). Elsewhere nothing: the check is train_task's."""
+    from omegaconf import OmegaConf
+
+    from labrun.config import validation
+    from labrun.core import environment
+
+    here = environment.read()
+    if here.scheduler is None or here.submitted_by_labrun or here.world_size < 2:
+        return
+    try:  # every way out a SystemExit: Hydra would run the job after a callback's exception
+        with exit_on_user_error():
+            cfg = OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
+            validation.validate(cfg)
+            validation.check_single_run(cfg, here)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
 
 
 class ClusterRunCallback(Callback):

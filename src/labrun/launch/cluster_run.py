@@ -125,7 +125,10 @@ def into_allocation(config: DictConfig, allocation: SchedulerJob) -> NoReturn:
     would: srun replaces this process, so the run's output, Ctrl-C and exit code are srun's.
     On the nodes the run is inside its allocation and trains in place, where check_single_run
     counts the GPUs the step is given (an salloc shell is told none)."""
-    command = allocation_command(config, allocation, sys.orig_argv)
+    # GPUs only where the run asks for them, as check_single_run counts them in a job.
+    gpus = (scheduler.named(allocation.scheduler).job_gpus(allocation.job_id)
+            if config.cluster.get("gpus_per_node") else None)
+    command = allocation_command(config, allocation, sys.orig_argv, gpus)
     probes.require_slurm_client(command[0])
     say(f"this shell holds {allocation.scheduler} job {allocation.job_id} on "
         f"{allocation.nodelist}, not this host ({socket.gethostname()}): running the run "
@@ -135,13 +138,15 @@ def into_allocation(config: DictConfig, allocation: SchedulerJob) -> NoReturn:
     os.execvp(command[0], command)
 
 
-def allocation_command(config: DictConfig, allocation: SchedulerJob,
-                       argv: list[str]) -> list[str]:
+def allocation_command(config: DictConfig, allocation: SchedulerJob, argv: list[str],
+                       gpus: int | None = None) -> list[str]:
     """The command that runs the run `argv` (this process's command line, interpreter first)
     started, as a step of `allocation`: one task per GPU of trainer.devices on each of
-    trainer.num_nodes nodes. What the allocation's variables tell here is checked first, one
-    line each, as srun would fail in its own words: its nodes and tasks; and cluster.detach,
-    which a step cannot honour."""
+    trainer.num_nodes nodes. What the allocation holds is checked first, one line each, as
+    srun would fail in its own words: its nodes and tasks (its variables here), its `gpus` on
+    all nodes together (asked of the scheduler; None: not checked), and cluster.detach, which
+    a step cannot honour. A GPU refusal inside the step would come from every task, and a step
+    is no place to refuse: nothing should start that cannot run."""
     trainer = config.trainer
     held = (f"{allocation.scheduler} job {allocation.job_id}, the allocation this shell holds "
             f"on {allocation.nodelist},")
@@ -158,6 +163,11 @@ def allocation_command(config: DictConfig, allocation: SchedulerJob,
         raise ConfigError(f"{held} has {allocation.tasks} task(s): trainer.devices="
                           f"{trainer.devices} x trainer.num_nodes={trainer.num_nodes} needs "
                           f"{processes}; ask salloc for --ntasks={processes}, or lower "
+                          f"trainer.devices")
+    if gpus is not None and gpus // allocation.num_nodes < trainer.devices:
+        raise ConfigError(f"{held} has {gpus // allocation.num_nodes} GPU(s) a node: "
+                          f"trainer.devices={trainer.devices} needs {trainer.devices}; ask "
+                          f"salloc for --gpus-per-node={trainer.devices}, or lower "
                           f"trainer.devices")
     command = [sys.executable, *argv[1:]]
     if not any(re.fullmatch(r"[+~]*hydra\.run\.dir", override.split("=", 1)[0])

@@ -185,6 +185,14 @@ class SlurmScheduler:
                 f"--ntasks-per-node={tasks_per_node}",
                 *([f"--cpus-per-task={cpus}"] if cpus else []), *command]
 
+    def job_gpus(self, job_id: str) -> int:
+        """The GPUs `job_id` was given on all its nodes together (the gres/gpu of its TRES; 0:
+        none). What an salloc shell is not told: salloc --gres=gpu:N sets no variable there."""
+        rows = self._rows("scontrol", "-o", "show", "job", job_id)
+        tres = re.search(r"(?:^|\s)TRES=(\S*)", " ".join(rows[0]) if rows else "")
+        gpus = re.search(r"(?:^|,)gres/gpu=(\d+)", tres.group(1) if tres else "")
+        return int(gpus.group(1)) if gpus else 0
+
     # A job's own id, in its batch script and in its tasks (each array element's own).
     JOB_ID_VARIABLE = "SLURM_JOB_ID"
     # What submitit runs in a job to requeue it (SlurmJobEnvironment._requeue): COMMAND VERB JOB.
