@@ -3,6 +3,7 @@ runs made once per test session and reused (training is the slow part)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -74,6 +75,27 @@ def as_typed_in_a_terminal() -> None:
     even when the suite itself runs under nohup, whose ignored SIGHUP every child inherits."""
     os.setsid()
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def sweep_in_process(sweep_dir: Path, *overrides: str):
+    """Hydra's context and master config of `python train.py -m OVERRIDES` composed in this
+    process, as a launcher is set up with them (launch/slurm.SlurmLauncher.setup)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import HydraContext, RunMode
+
+    from labrun.config import schema
+    from labrun.core.project import LABRUN_CONF
+
+    schema.register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
+        hydra = GlobalHydra.instance().hydra
+        master = hydra.compose_config("train", overrides=[
+            "hydra.mode=MULTIRUN", *overrides, f"hydra.sweep.dir={sweep_dir}"],
+            run_mode=RunMode.MULTIRUN, with_log_configuration=False)
+        yield HydraContext(config_loader=hydra.config_loader, callbacks=None), master
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:

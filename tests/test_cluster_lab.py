@@ -203,27 +203,51 @@ class Preemption(Trigger):
                              "-J", "urgent", "--wrap", "echo $SLURM_JOB_GPUS")
 
 
+def hold_still(run_dir: Path) -> int:
+    """SIGSTOP the process training `run_dir` (the PID its lock names: the job's nodes share
+    this machine's PID namespace) and its DataLoader workers; returns its PID. A stand-in for a
+    run long enough that what comes next (its node failing, its time limit) comes mid-training:
+    a DETERMINISTIC run would otherwise end first. SLURM continues it (SIGCONT) with any
+    signal it sends the job's step; a failing node kills it stopped."""
+    pid = lock_holder.read_holder(run_dir / ".lock").pid
+    children = [int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
+                for child in task.read_text().split()]
+    for process in [pid, *children]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process, signal.SIGSTOP)
+    return pid
+
+
 @dataclass
 class NodeFailure(Trigger):
-    """A job on node1 or node2 (node3 is the preemption's); once it has checkpointed, every
-    process of its node is killed, slurmd and the job's step with it, as when a node dies."""
+    """node1 (node3 is the preemption's, node2 the time limit's): a sweep's job and a single
+    run (no -m, submitted as one job) train there; once each has checkpointed it is held still (hold_still), and once
+    both have, every process of the node is killed, slurmd and the jobs' steps with it, as when
+    a node dies. Both are requeued and resume elsewhere."""
     sweep_dir: Path
     proc: subprocess.Popen
+    single_dir: Path
+    single: subprocess.Popen
     node: str | None = None
 
     @classmethod
-    def start(cls, sweep_dir: Path) -> NodeFailure:
-        proc = sweep(sweep_dir, *DETERMINISTIC, "+cluster.extra_sbatch.exclude=node3",
-                     "cluster.cpus_per_task=1")
-        scenario = cls(sweep_dir, proc)
+    def start(cls, sweep_dir: Path, single_dir: Path) -> NodeFailure:
+        # Not pinned to a node (its requeued job would wait for that node): SLURM fills the
+        # first node that fits first, node1, where node2 and node3 have jobs of their own.
+        not_node3 = [*DETERMINISTIC, "+cluster.extra_sbatch.exclude=node3",
+                     "cluster.cpus_per_task=1"]
+        proc = sweep(sweep_dir, *not_node3)
+        scenario = cls(sweep_dir, proc, single_dir, single_run(single_dir, *not_node3))
         scenario.start_trigger()
         return scenario
 
     def trigger(self) -> None:
-        run = self.sweep_dir / "0"
-        wait_for(run / "checkpoints" / "step-00000010.pt", self.proc)
-        self.node = environment(run)["hostname"]
-        assert self.node in ("node1", "node2")
+        for run, proc in ((self.sweep_dir / "0", self.proc), (self.single_dir, self.single)):
+            wait_for(run / "checkpoints" / "step-00000010.pt", proc)
+            hold_still(run)
+        self.node = environment(self.sweep_dir / "0")["hostname"]
+        assert self.node == environment(self.single_dir)["hostname"] == "node1", \
+            "the sweep's job and the single run were not both placed on node1"
         namespace = f"labrun-{self.node}"
         pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
                               text=True, check=True).stdout.split()
@@ -283,6 +307,33 @@ class ContainerRequeue(Trigger):
 
 
 @dataclass
+class TimeLimit(Trigger):
+    """The preemption's deterministic run again as a single run on node2, with a time limit of
+    2 minutes and SLURM's warning (USR2) 30 s before it: held still (hold_still) once it has
+    checkpointed at step 10, it is continued by SLURM's warning (sent up to a minute before
+    the 30 s: SLURM looks at time limits every half minute), checkpoints and is requeued
+    (submitit counts a time-out: it judges by the job's elapsed time against its limit)."""
+    run_dir: Path
+    proc: subprocess.Popen
+    stopped: str = ""  # /proc/PID/status's State once held
+
+    @classmethod
+    def start(cls, run_dir: Path) -> TimeLimit:
+        scenario = cls(run_dir, single_run(run_dir, *DETERMINISTIC, "cluster.timeout_min=2",
+                                           "cluster.signal_delay_s=30",
+                                           "+cluster.extra_sbatch.nodelist=node2",
+                                           "cluster.cpus_per_task=1"))
+        scenario.start_trigger()
+        return scenario
+
+    def trigger(self) -> None:
+        wait_for(self.run_dir / "checkpoints" / "step-00000010.pt", self.proc)
+        pid = hold_still(self.run_dir)
+        self.stopped = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                            if line.startswith("State:"))
+
+
+@dataclass
 class FairShare:
     """Account vision uses node3's four GPUs for 15 s (the preemption scenario's jobs wait for
     them); one job of vision and one of nlp wait (held back by --begin) while SLURM's priority
@@ -305,10 +356,11 @@ def scenarios(tmp_path_factory):
     root = tmp_path_factory.mktemp("lab")
     fair = FairShare.start()
     preemption = Preemption.start(root / "preemption")
-    failure = NodeFailure.start(root / "failure")
+    failure = NodeFailure.start(root / "failure", root / "failure-single")
     in_container = ContainerRequeue.start(root / "container", failure)
+    time_limit = TimeLimit.start(root / "time-limit")
     yield {"fair": fair, "preemption": preemption, "failure": failure,
-           "container": in_container}
+           "container": in_container, "time_limit": time_limit}
     jobs = [fair.usage_job, fair.vision, fair.nlp, preemption.placeholder]
     subprocess.run(["scancel", *jobs, *([preemption.urgent] if preemption.urgent else [])],
                    check=False)
@@ -360,6 +412,49 @@ def test_a_failed_node_requeues_its_job_which_resumes_elsewhere_losing_nothing(s
     status = run_labrun("status", str(failure.sweep_dir))
     assert "requeued 1x" in status.stdout, status.stdout
     failure.restore()
+
+
+def test_a_single_run_whose_node_fails_is_requeued_and_resumes_to_its_twins_weights(scenarios):
+    """The single run killed with node1 beside the sweep's job: SLURM requeues its job, which
+    resumes from its last checkpoint elsewhere, followed to the end from this terminal."""
+    failure: NodeFailure = scenarios["failure"]
+    twin = scenarios["preemption"].sweep_dir / "0"
+    failure.join()
+    output = finish(failure.single)
+    assert failure.single.returncode == 0, output
+    run = failure.single_dir
+    assert "completed: best val/acc" in output, output
+    assert read_summary(run)["status"] == "completed" and read_summary(run)["requeued"] >= 1
+    assert environment(run)["hostname"] not in ("node1", "node3")
+    log = Path(manifest(run)["jobs"][0]["log"]).read_text()
+    resumed = re.search(r"resuming from \S+/step-(\d+)\.pt", log)
+    assert resumed and int(resumed.group(1)) >= 10, log[-3000:]
+    finish(scenarios["preemption"].proc)
+    assert_identical(final_weights(run), final_weights(twin))
+    assert losses(run) == losses(twin)
+
+
+def test_a_single_run_at_its_time_limit_is_requeued_and_resumes_to_its_twins_weights(scenarios):
+    """SLURM's warning before the time limit (cluster.signal_delay_s) reaches the run held
+    still at step 10: it checkpoints, is requeued as a time-out (one of cluster.max_num_timeout
+    used), resumes from that checkpoint and ends with the uninterrupted twin's weights."""
+    time_limit: TimeLimit = scenarios["time_limit"]
+    twin = scenarios["preemption"].sweep_dir / "0"
+    time_limit.join()
+    assert time_limit.stopped.split()[1] == "T", time_limit.stopped  # held still: "T (stopped)"
+    output = finish(time_limit.proc)
+    assert time_limit.proc.returncode == 0, output
+    run = time_limit.run_dir
+    log = Path(manifest(run)["jobs"][0]["log"]).read_text()
+    stopped = re.search(r"SIGUSR2 at step (\d+): checkpoint saved, requeueing", log)
+    resumed = re.search(r"resuming from \S+/step-(\d+)\.pt", log)
+    assert stopped and resumed, log[-3000:]
+    assert int(resumed.group(1)) == int(stopped.group(1)) >= 10
+    assert "this job is timed-out" in log and "(2 remaining timeouts)" in log, log[-3000:]
+    assert read_summary(run)["requeued"] >= 1
+    finish(scenarios["preemption"].proc)
+    assert_identical(final_weights(run), final_weights(twin))
+    assert losses(run) == losses(twin)
 
 
 def test_a_single_run_in_a_container_requeues_on_usr2_resumes_and_matches_its_twin(scenarios):

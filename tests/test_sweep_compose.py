@@ -9,14 +9,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hydra import initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import HydraContext, RunMode
 from omegaconf import OmegaConf, open_dict
 
-from labrun.config import schema
-from labrun.core.project import LABRUN_CONF
+from conftest import sweep_in_process
 from labrun.launch.compose import JobComposer
 
 JOBS = [["model=" + model, f"optimizer.lr={lr}", "seed=${hydra:job.num}",
@@ -26,15 +22,8 @@ JOBS = [["model=" + model, f"optimizer.lr={lr}", "seed=${hydra:job.num}",
 
 @pytest.fixture
 def hydra_parts(tmp_path):
-    schema.register()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
-        hydra = GlobalHydra.instance().hydra
-        master = hydra.compose_config("train", overrides=[
-            "hydra.mode=MULTIRUN", "cluster=slurm_dev", f"hydra.sweep.dir={tmp_path}"],
-            run_mode=RunMode.MULTIRUN, with_log_configuration=False)
-        context = HydraContext(config_loader=hydra.config_loader, callbacks=None)
-        yield context, master
+    with sweep_in_process(tmp_path, "cluster=slurm_dev") as parts:
+        yield parts
 
 
 def resolved(cfg, num: int) -> dict:

@@ -12,12 +12,8 @@ import sys
 import tracemalloc
 
 import pytest
-from hydra import initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.types import HydraContext, RunMode
 
-from labrun.config import schema
-from labrun.core.project import LABRUN_CONF
+from conftest import sweep_in_process
 from labrun.launch.slurm import SlurmLauncher
 
 # A job's overrides hold the command line's (Hydra's sweeper gives each job all of them).
@@ -26,15 +22,8 @@ COMMAND = ["cluster=lab", "cluster.detach=true", "cluster.snapshot=false", "logg
 
 @pytest.fixture
 def hydra_parts(tmp_path):
-    schema.register()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
-        hydra = GlobalHydra.instance().hydra
-        master = hydra.compose_config("train", overrides=[
-            "hydra.mode=MULTIRUN", *COMMAND, f"hydra.sweep.dir={tmp_path}"],
-            run_mode=RunMode.MULTIRUN, with_log_configuration=False)
-        context = HydraContext(config_loader=hydra.config_loader, callbacks=None)
-        yield context, master
+    with sweep_in_process(tmp_path, *COMMAND) as parts:
+        yield parts
 
 
 def traced_peak(context, master, jobs: int) -> int:
