@@ -102,6 +102,8 @@ def test_coco_categories_map_to_classes_and_back_crowds_marked_empty_images_kept
      "annotation 6: image_id 99 is none of the file's images"),
     ({"id": 8, "image_id": 12, "category_id": 1, "bbox": [30, 1, 30, 2]},
      "annotation 8: box (30, 1, 60, 3): it lies outside the 40x30 image"),
+    ({"id": 9, "image_id": 12, "category_id": 1, "segmentation": [[1, 1, 5, 1, 5, 5]]},
+     "annotation 9: bbox None is not [x, y, width, height] in pixels"),
 ])
 def test_a_wrong_coco_annotation_is_one_line_naming_the_file_and_its_id(tmp_path, annotation,
                                                                        line):
@@ -116,6 +118,16 @@ def test_unreadable_coco_json_a_missing_image_or_file_is_one_line(tmp_path):
     root = coco_folder(tmp_path)
     (root / "val2017" / "b.png").unlink()
     with pytest.raises(DataError, match=r"instances_val2017.json: image 11 \(b.png\) is not in "):
+        coco.read_split(root, "val")
+    # A file name with a folder in it is looked up there.
+    image(root / "val2017" / "more" / "b.png")
+    data = json.loads((root / "annotations" / "instances_val2017.json").read_text())
+    data["images"][1]["file_name"] = "more/b.png"
+    (root / "annotations" / "instances_val2017.json").write_text(json.dumps(data))
+    assert coco.read_split(root, "val").items[1].path == root / "val2017" / "more" / "b.png"
+    del data["images"][1]["width"]
+    (root / "annotations" / "instances_val2017.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match=r"image 11 lacks \['width'\]; COCO's images name"):
         coco.read_split(root, "val")
     (root / "annotations" / "instances_val2017.json").write_text('{"images": [')
     with pytest.raises(DataError, match="not a readable COCO annotation file"):

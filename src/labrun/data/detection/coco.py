@@ -69,12 +69,17 @@ def read_split(root: str | os.PathLike, split: str) -> DetectionSplit:
     data = read_json(path)
     categories = sorted(data["categories"], key=lambda c: c["id"])
     class_of = {c["id"]: index for index, c in enumerate(categories)}
-    images = {image["id"]: image for image in data["images"]}
-    present = set(os.listdir(folder))
+    images = {image.get("id"): image for image in data["images"]}
+    present = set(os.listdir(folder))  # one listing; a name with folders in it is looked up
     for image in data["images"]:
-        if image["file_name"] not in present:
-            raise DataError(f"{path}: image {image['id']} ({image['file_name']}) is not in "
-                            f"{folder}; add it, or remove it and its annotations from the file")
+        if not {"id", "file_name", "width", "height"} <= image.keys():
+            raise DataError(f"{path}: image {image.get('id', image.get('file_name'))} lacks "
+                            f"{sorted({'id', 'file_name', 'width', 'height'} - image.keys())}; "
+                            f"COCO's images name their id, file_name, width and height")
+        name = image["file_name"]
+        if name not in present and not (folder / name).is_file():
+            raise DataError(f"{path}: image {image['id']} ({name}) is not in {folder}; add "
+                            f"it, or remove it and its annotations from the file")
     per_image: dict[int, list[dict]] = {image_id: [] for image_id in images}
     for annotation in data["annotations"]:
         where = f"{path}: annotation {annotation.get('id')}"
@@ -84,6 +89,10 @@ def read_split(root: str | os.PathLike, split: str) -> DetectionSplit:
         if annotation.get("category_id") not in class_of:
             raise DataError(f"{where}: category_id {annotation.get('category_id')} is none of "
                             f"the file's categories ({sorted(class_of)})")
+        bbox = annotation.get("bbox")
+        if not (isinstance(bbox, list) and len(bbox) == 4
+                and all(isinstance(v, int | float) for v in bbox)):
+            raise DataError(f"{where}: bbox {bbox!r} is not [x, y, width, height] in pixels")
         per_image[annotation["image_id"]].append(annotation)
     cleaned = Cleaned()
     items = []
