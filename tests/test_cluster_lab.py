@@ -215,7 +215,18 @@ def hold_still(run_dir: Path) -> int:
     for process in [pid, *children]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process, signal.SIGSTOP)
+    # The signal is delivered asynchronously: until the process says it stopped.
+    deadline = time.monotonic() + 30
+    while state(pid) != "T":
+        assert time.monotonic() < deadline, f"PID {pid} did not stop: {state(pid)}"
+        time.sleep(0.05)
     return pid
+
+
+def state(pid: int) -> str:
+    """The state letter of /proc/PID/status ("T": stopped, "R": running, ...)."""
+    return next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("State:"))
 
 
 @dataclass
@@ -315,7 +326,7 @@ class TimeLimit(Trigger):
     (submitit counts a time-out: it judges by the job's elapsed time against its limit)."""
     run_dir: Path
     proc: subprocess.Popen
-    stopped: str = ""  # /proc/PID/status's State once held
+    stopped: str = ""  # its state letter once held ("T")
 
     @classmethod
     def start(cls, run_dir: Path) -> TimeLimit:
@@ -328,9 +339,7 @@ class TimeLimit(Trigger):
 
     def trigger(self) -> None:
         wait_for(self.run_dir / "checkpoints" / "step-00000010.pt", self.proc)
-        pid = hold_still(self.run_dir)
-        self.stopped = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                            if line.startswith("State:"))
+        self.stopped = state(hold_still(self.run_dir))
 
 
 @dataclass
@@ -441,7 +450,7 @@ def test_a_single_run_at_its_time_limit_is_requeued_and_resumes_to_its_twins_wei
     time_limit: TimeLimit = scenarios["time_limit"]
     twin = scenarios["preemption"].sweep_dir / "0"
     time_limit.join()
-    assert time_limit.stopped.split()[1] == "T", time_limit.stopped  # held still: "T (stopped)"
+    assert time_limit.stopped == "T"  # held still when SLURM's warning came
     output = finish(time_limit.proc)
     assert time_limit.proc.returncode == 0, output
     run = time_limit.run_dir
