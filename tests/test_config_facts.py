@@ -76,7 +76,7 @@ def load_shards(shard_dir: str) -> None:
 
 
 def test_slurm_jobs_get_every_path_key_absolute(composed, tmp_path, monkeypatch):
-    from labrun.launch import slurm
+    from labrun.launch import slurm_job
 
     # The job runs in the code snapshot's folder: its paths are the submitting folder's.
     (tmp_path / "snapshot").mkdir()
@@ -86,7 +86,7 @@ def test_slurm_jobs_get_every_path_key_absolute(composed, tmp_path, monkeypatch)
                    "paths.scratch_dir=scratch", "checkpoint.resume=auto")
     OmegaConf.set_struct(cfg, False)
     cfg.hydra = {"sweep": {"dir": "x"}}
-    slurm.make_paths_absolute(cfg, tmp_path / "sweep", str(tmp_path))
+    slurm_job.make_paths_absolute(cfg, tmp_path / "sweep", str(tmp_path))
     assert cfg.dataset.path == str(tmp_path / "data.h5")
     for dotted in ("dataset.path", "paths.data_dir", "paths.scratch_dir"):
         value = OmegaConf.select(cfg, dotted)

@@ -70,11 +70,12 @@ def train_task(cfg) -> float | None:
     with exit_on_user_error():
         # A mistake in the config is one line before torch loads (seconds of imports); the
         # job is imported only then, which also keeps `--help` and `--cfg` fast.
-        validation.validate(cfg)
-        if HydraConfig.get().mode == RunMode.RUN:
-            where = validation.check_single_run(cfg, environment.read())
-            if where:
-                print(f"labrun: {where}", flush=True)
+        single = HydraConfig.get().mode == RunMode.RUN
+        here = environment.read()
+        if not (single and judged_before_the_lock(here)):  # else refuse_outside_fit did it
+            validation.validate(cfg)
+            if single:
+                announce(validation.check_single_run(cfg, here))
         from labrun.train.job import train
 
         return train(cfg)
@@ -132,24 +133,36 @@ class RunLockCallback(Callback):
             self.lock = None
 
 
+def announce(where: str | None) -> None:
+    if where:
+        print(f"labrun: {where}", flush=True)
+
+
+def judged_before_the_lock(here) -> bool:
+    """Whether a run without -m is validated and checked against its allocation in
+    RunLockCallback (refuse_outside_fit), not in train_task: inside a person's own allocation,
+    with several ranks (srun python train.py)."""
+    return here.scheduler is not None and not here.submitted_by_labrun and here.world_size > 1
+
+
 def refuse_outside_fit(config) -> None:
-    """Inside a person's own allocation (srun python train.py), each rank refuses an allocation
-    smaller than the run (validation.check_single_run) before the lock, not in train_task: a
-    rank other than 0 would otherwise wait for the lock of a rank 0 that had refused
-    (lock.follow, up to its timeout). Elsewhere nothing: the check is train_task's."""
+    """Inside a person's own allocation with several ranks, each rank validates the run and
+    refuses an allocation smaller than it (validation.check_single_run) before the lock, not
+    in train_task: a rank other than 0 would otherwise wait for the lock of a rank 0 that had
+    refused (lock.follow, up to its timeout). Elsewhere nothing: that is train_task's."""
     from omegaconf import OmegaConf
 
     from labrun.config import validation
     from labrun.core import environment
 
     here = environment.read()
-    if here.scheduler is None or here.submitted_by_labrun or here.world_size < 2:
+    if not judged_before_the_lock(here):
         return
     try:  # every way out a SystemExit: Hydra would run the job after a callback's exception
         with exit_on_user_error():
             cfg = OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
             validation.validate(cfg)
-            validation.check_single_run(cfg, here)
+            announce(validation.check_single_run(cfg, here))
     except SystemExit:
         raise
     except BaseException:

@@ -188,10 +188,8 @@ class SlurmScheduler:
     def job_gpus(self, job_id: str) -> int:
         """The GPUs `job_id` was given on all its nodes together (the gres/gpu of its TRES; 0:
         none). What an salloc shell is not told: salloc --gres=gpu:N sets no variable there."""
-        rows = self._rows("scontrol", "-o", "show", "job", job_id)
-        tres = re.search(r"(?:^|\s)TRES=(\S*)", " ".join(rows[0]) if rows else "")
-        gpus = re.search(r"(?:^|,)gres/gpu=(\d+)", tres.group(1) if tres else "")
-        return int(gpus.group(1)) if gpus else 0
+        rows = self._rows("squeue", "-h", "-j", job_id, "-O", "tres-alloc:|")
+        return gpus_in_tres(rows[0][0]) if rows else 0
 
     # A job's own id, in its batch script and in its tasks (each array element's own).
     JOB_ID_VARIABLE = "SLURM_JOB_ID"
