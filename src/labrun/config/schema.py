@@ -75,6 +75,13 @@ class TrainerConfig:
     # auto: a rich bar on a TTY, log lines otherwise
     progress: str = key("auto", resume_safe=True, affects_result=False,
                         choices=("auto", "bar", "log", "none"))
+    # An exponential moving average of the weights (train/ema.py), updated after every optimizer
+    # step taken; validation, test, best.pt's choice, `labrun eval` and `labrun export` use it.
+    # Update n weighs the old average by ema_decay * (1 - exp(-n / ema_warmup_steps)), YOLO's
+    # warm-up (0: by ema_decay from the start); the first update copies the weights.
+    ema: bool = False
+    ema_decay: float = 0.9999
+    ema_warmup_steps: int = 2000
 
 
 @dataclass

@@ -29,7 +29,7 @@ POSITIVE = ("distributed.bucket_cap_mb", "distributed.timeout_s", "trainer.max_e
             "schedule.step_every_n_steps")
 NON_NEGATIVE = ("optimizer.weight_decay", "trainer.grad_clip", "checkpoint.keep_last",
                 "checkpoint.every_n_steps", "trainer.val_every_n_steps", "dataset.num_workers",
-                "schedule.warmup_epochs", "schedule.warmup_steps")
+                "schedule.warmup_epochs", "schedule.warmup_steps", "trainer.ema_warmup_steps")
 # What the trainer logs itself, whatever the task: StepWindow.metrics (train/progress.py) at each
 # logged step, and perf/gpu_util where NVML reads the run's GPUs (train/trainer.py). At an
 # epoch's end the trainer takes checkpoint.monitor from the validation metrics, else from the
@@ -66,6 +66,10 @@ def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
                           f"trainer.accelerator={cfg.trainer.accelerator}; use "
                           f"dataset.decode=cpu or workers")
     check_budget(cfg.trainer)
+    decay = cfg.trainer.get("ema_decay")
+    if decay is not None and not 0 <= decay < 1:
+        raise ConfigError(f"trainer.ema_decay={decay} must be in [0, 1): the weight of the old "
+                          f"average at each step, 0.9999 for most recipes")
     check_cluster(cfg)
     fraction = cfg.dataset.get("val_fraction", 0.0)  # image datasets hold val out of train
     if not 0 <= fraction < 1:

@@ -40,6 +40,7 @@ from labrun.core.files import atomic_path, write_json_atomic
 from labrun.deploy import hooks
 from labrun.deploy import runtime as inference
 from labrun.runs.rundir import RunDir
+from labrun.train.checkpoint import for_inference
 from labrun.train.checkpoint import load as load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
         raise LabrunError(f"--out {out} is the checkpoint being exported; choose another path")
     dtype = torch.float16 if fp16 else torch.float32
     target = Target(fmt, dtype, device or ("cuda" if fp16 else "cpu"), check_data)
-    plan = deploy.export_plan(state, checkpoint, target)
+    # "model" is the weights to deploy: the EMA's when the run kept one (trainer.ema).
+    plan = deploy.export_plan(for_inference(state), checkpoint, target)
     out.parent.mkdir(parents=True, exist_ok=True)
     used, check = write_checked(plan, out, target, exporter, opset, verbose)
 
@@ -109,6 +111,7 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
             "step": state.get("step"),
             "monitor": cfg.get("checkpoint", {}).get("monitor"),
             "best": state.get("best"),
+            "weights": state.get("inference_weights", "model"),  # "ema": trainer.ema's average
         },
         "versions": {"labrun": labrun.__version__, "torch": torch.__version__,
                      "python": platform.python_version(), **runtime_versions(fmt)},

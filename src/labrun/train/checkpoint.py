@@ -55,12 +55,21 @@ class LogWindow(TypedDict):
     steps: int
 
 
+class Ema(TypedDict):
+    model: dict[str, torch.Tensor]  # the average's state dict, with the model's own keys
+    updates: int  # optimizer steps averaged so far (the warm-up goes on from it)
+
+
 class _AddedLater(TypedDict, total=False):
     """Keys absent from checkpoints written before labrun kept them."""
 
     log_window: LogWindow
     callbacks: dict[str, dict[str, Any]]  # each callback's state_dict(), by name
     deploy: str | None  # the task's deploy module (labrun.deploy.hooks), None without one
+    # trainer.ema only (train/ema.py): the average of the weights, and which weights evaluation
+    # and deployment use ("ema"; absent: "model"), read through inference_weights() alone.
+    ema: Ema
+    inference_weights: str
 
 
 class CheckpointState(_AddedLater):
@@ -88,6 +97,27 @@ def load(path: str | Path) -> CheckpointState:
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path}: not a labrun checkpoint (no 'model' entry)")
     return state  # type: ignore[return-value]  # a labrun checkpoint: the keys above
+
+
+def inference_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint is evaluated and deployed with: its EMA's when the run kept one
+    (trainer.ema: "inference_weights" is "ema"), else the trained weights ("model", which a
+    resumed run trains on). Every reader of a checkpoint for inference goes through here: the
+    test split's evaluation, `labrun eval`, `labrun export` (and so serve and predict),
+    model.init_from."""
+    which = state.get("inference_weights", "model")
+    if which == "model":
+        return state["model"]
+    if which == "ema" and isinstance(state.get("ema"), dict) and "model" in state["ema"]:
+        return state["ema"]["model"]
+    raise CheckpointError(f"the checkpoint's inference_weights names {which!r}, which it does "
+                          f"not hold")
+
+
+def for_inference(state: CheckpointState) -> CheckpointState:
+    """The checkpoint with "model" holding its inference weights: what a task's deploy module
+    is handed (its export_plan reads state["model"])."""
+    return {**state, "model": inference_weights(state)}  # type: ignore[typeddict-item]
 
 
 def read_torch_file(path: str | Path) -> Any:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from labrun import data
 from labrun.core.errors import ConfigError, DataError, LabrunError, one_line
 from labrun.train import distributed
+from labrun.train.checkpoint import inference_weights
 from labrun.train.checkpoint import load as load_checkpoint
 from labrun.train.evaluation import evaluation_sums
 from labrun.train.precision import Precision
@@ -58,7 +59,7 @@ def _evaluate(cfg: DictConfig, checkpoint: Path, split: str) -> dict[str, Any]:
         check_fits(state, dataset.info, checkpoint, cfg.dataset.name)
         task = instantiate(cfg.task)
         model = task.build_model(cfg.model, dataset.info)
-        model.load_state_dict(state["model"])
+        model.load_state_dict(inference_weights(state))  # the EMA's, when the run kept one
         trainer = cfg.trainer
         memory_format = (torch.channels_last if trainer.channels_last
                          else torch.contiguous_format)

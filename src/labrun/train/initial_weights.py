@@ -30,7 +30,7 @@ from torch import nn
 from labrun import models
 from labrun.core.errors import ConfigError
 from labrun.models import pretrained
-from labrun.train.checkpoint import CheckpointError, read_torch_file
+from labrun.train.checkpoint import CheckpointError, inference_weights, read_torch_file
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ def _one_source(model_cfg: DictConfig) -> None:
 
 def read_state(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a weights file: a .safetensors file (never unpickled), or a torch file
-    read with weights_only=True: a labrun checkpoint's `model`, or a plain state dict."""
+    read with weights_only=True: a labrun checkpoint's inference weights (its `model`, or its
+    EMA's with trainer.ema), or a plain state dict."""
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -96,10 +97,11 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
             raise ConfigError(f"{path}: not a readable safetensors file ({error})") from None
     try:
         state = read_torch_file(path)
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):
+            state = inference_weights(state)  # a labrun checkpoint: its EMA's with trainer.ema
     except CheckpointError as error:
-        raise ConfigError(str(error)) from None
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]  # a labrun checkpoint
+        raise ConfigError(f"{path}: {error}" if str(path) not in str(error) else str(error)
+                          ) from None
     if not (isinstance(state, dict) and state
             and all(isinstance(v, torch.Tensor) for v in state.values())):
         raise ConfigError(f"{path}: holds no state dict (a mapping of names to tensors), nor a "

@@ -252,6 +252,10 @@ def find_resume_state(cfg: DictConfig, checkpoints: CheckpointManager) -> dict[s
         raise ConfigError(
             f"cannot resume from {path}: the config differs in {', '.join(changed[:8])}; "
             f"use the same settings, or checkpoint.resume=never in a new folder")
+    if cfg.trainer.ema and "ema" not in state:  # written before labrun had trainer.ema
+        raise ConfigError(f"cannot resume from {path} with trainer.ema=true: it holds no EMA of "
+                          f"the weights; resume with trainer.ema=false, or "
+                          f"checkpoint.resume=never in a new folder")
     log.info(f"resuming from {path} (step {state['step']})")
     return state
 

@@ -44,11 +44,17 @@ def capture(trainer: Trainer) -> CheckpointState:
         "deploy": getattr(trainer.task, "deploy", None),
         "labrun_version": labrun.__version__,
         "callbacks": {name: cb.state_dict() for name, cb in trainer.callbacks.items()},
+        # trainer.ema: the average and its count, and the name of the weights evaluation and
+        # deployment read (checkpoint.inference_weights); "model" stays the trained weights.
+        **({} if trainer.ema is None else {"ema": trainer.ema.state_dict_for_checkpoint(),
+                                           "inference_weights": "ema"}),
     }
 
 
 def restore(trainer: Trainer, state: CheckpointState) -> None:
     unwrap(trainer.model).load_state_dict(state["model"])
+    if trainer.ema is not None:  # job.find_resume_state refuses a checkpoint without one
+        trainer.ema.load_from_checkpoint(state["ema"])
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.scaler.load_state_dict(state["scaler"])

@@ -39,7 +39,7 @@ from labrun.runs.rundir import RunDir, best_key
 from labrun.track.loggers import NoTracker, Tracker
 from labrun.train import callbacks as callback_registry
 from labrun.train import checkpoint as ckpt
-from labrun.train import fine_tuning, run_state
+from labrun.train import ema, fine_tuning, run_state
 from labrun.train.checkpoint import CheckpointManager
 from labrun.train.distributed import Distributed, all_reduce_sum
 from labrun.train.evaluation import evaluation_sums
@@ -87,6 +87,12 @@ class Trainer:
             self.net = torch.compile(self.net)
 
         self.optimizer = fine_tuning.build_optimizer(cfg, self.model, data.info)
+        # trainer.ema: the average of the weights (train/ema.py), which evaluation uses. Updated
+        # by the optimizer's step hook, so after each step really taken and only then: fp16's
+        # GradScaler skips optimizer.step() on an overflow, nan_policy=skip never calls it.
+        self.ema = ema.build(trainer, self.model)
+        if self.ema is not None:
+            self.optimizer.register_step_post_hook(lambda *_: self.ema.update(self.model))
         self.train_loader = self._train_loader()
         self.steps_per_epoch = self.train_loader.sampler.steps_per_epoch()
         if trainer.limit_train_batches:
@@ -273,8 +279,15 @@ class Trainer:
         for norm in self.frozen_norms:  # frozen layers keep their running statistics
             norm.eval()
 
+    @property
+    def eval_model(self) -> nn.Module:
+        """What validation and test evaluate: the EMA's module with trainer.ema, else the
+        trained model."""
+        return self.model if self.ema is None else self.ema.module
+
     def evaluate(self, split: str) -> dict[str, float]:
-        sums = evaluation_sums(self.model, self.task, self._eval_loader(split), self.device,
+        self._sync_ema()  # every rank evaluates the EMA the checkpoint keeps
+        sums = evaluation_sums(self.eval_model, self.task, self._eval_loader(split), self.device,
                                self.autocast, self.cfg.trainer.limit_val_batches,
                                self.dist.enabled)
         return self.task.eval_metrics(sums, split)
@@ -299,8 +312,8 @@ class Trainer:
         if self.dist.enabled:
             torch.distributed.barrier()  # rank 0 may still be writing best.pt
         best = self.checkpoints.best_path
-        if best.exists():
-            unwrap(self.model).load_state_dict(ckpt.load(best)["model"])
+        if best.exists():  # its EMA's weights with trainer.ema (what eval and export use)
+            unwrap(self.eval_model).load_state_dict(ckpt.inference_weights(ckpt.load(best)))
         test = self.evaluate("test")
         self.log(test)
         self.folder.update_summary(**test)
@@ -443,6 +456,12 @@ class Trainer:
 
     def save_checkpoint(self, is_best: bool = False) -> None:
         self.check_finite()  # on every rank: a checkpoint of non-finite weights is never written
+        self._sync_ema()  # on every rank, as a resumed run's ranks all take rank 0's
         if self.dist.is_main:
             self.checkpoints.save(run_state.capture(self), self.step, is_best=is_best)
 
+    def _sync_ema(self) -> None:
+        """Under DDP, rank 0's EMA buffers on every rank (WeightEma.broadcast_buffers): called
+        at validations and checkpoints, which every rank reaches at the same step."""
+        if self.ema is not None and self.dist.enabled:
+            self.ema.broadcast_buffers()
