@@ -213,6 +213,22 @@ class TorchvisionSegModelConfig(PretrainedModelConfig):
 
 
 @dataclass
+class TorchvisionDetModelConfig(ModelConfig):
+    name: str = MISSING  # fcos_resnet50_fpn, retinanet_resnet50_fpn_v2, ssdlite320_mobilenet_v3_large...
+    score_threshold: float = 0.05  # what evaluation keeps of the detector's answers
+    detections_per_image: int = 100
+
+
+@dataclass
+class FCOSModelConfig(ModelConfig):
+    backbone: str = key("resnet18", choices=("resnet18", "resnet34", "resnet50"))
+    fpn_channels: int = 64
+    norm: str = key("group", choices=("group", "batch"))
+    score_threshold: float = 0.05
+    detections_per_image: int = 100
+
+
+@dataclass
 class GPTConfig(ModelConfig):
     # null: the token folder's vocabulary and dataset.block_size. Set, they are the model's own
     # (a vocabulary padded to a multiple of 64, positions for longer windows than this run's).
@@ -384,6 +400,8 @@ SCHEMAS: dict[str, Any] = {
     "model/timm": TimmModelConfig,
     "model/unet": UNetConfig,
     "model/torchvision_seg": TorchvisionSegModelConfig,
+    "model/torchvision_det": TorchvisionDetModelConfig,
+    "model/fcos": FCOSModelConfig,
     "model/gpt": GPTConfig,
     "optimizer/sgd": SGDConfig,
     "optimizer/adamw": AdamWConfig,

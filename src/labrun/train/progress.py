@@ -31,13 +31,23 @@ class StepWindow:
         self.steps = 0
         self.samples = 0
         self.loss = torch.zeros((), device=self.device)
+        # The parts of the loss a task reports (detection's: loss_classifier, ...), summed
+        # like `loss`: tensors on the device, read at the log point only.
+        self.parts: dict[str, torch.Tensor] = {}
+
+    def add_parts(self, parts: dict[str, torch.Tensor]) -> None:
+        for name, value in parts.items():
+            self.parts[name] = self.parts.get(name, 0) + value
 
     def metrics(self, lr: float, units: dict[str, int]) -> dict[str, float]:
         """`units`: what a sample holds (the task's: {"tokens": 256}), each a perf/UNIT_per_s."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         samples_per_s = self.samples / elapsed
         # Each step's loss is already the mean over ranks (Trainer.train_step).
-        return {"train/loss": self.loss.item() / max(self.steps, 1), "train/lr": lr,
+        steps = max(self.steps, 1)
+        parts = {f"train/loss_{name.removeprefix('loss_')}": value.item() / steps
+                 for name, value in self.parts.items()}
+        return {"train/loss": self.loss.item() / steps, **parts, "train/lr": lr,
                 "perf/samples_per_s": samples_per_s,
                 **{f"perf/{unit}_per_s": samples_per_s * n for unit, n in units.items()},
                 "perf/data_wait_frac": self.wait / elapsed}

@@ -32,11 +32,16 @@ def capture(trainer: Trainer) -> CheckpointState:
         "step": trainer.step,
         "rng": ckpt.rng_state(),
         "data": {"epoch": trainer.epoch, "position": trainer.position,
-                 "micro_batch_size": trainer.micro},
+                 "micro_batch_size": trainer.micro,
+                 # A schedule the data keeps (detection's mosaic switch: data/detection).
+                 **({"schedule": trainer.data.state_dict()}
+                    if hasattr(trainer.data, "state_dict") else {})},
         "best": trainer.best,
         # The steps since the last logged point (see Trainer.train_epoch).
         "log_window": {"loss": trainer.window.loss.detach().cpu(),
-                       "steps": trainer.window.steps},
+                       "steps": trainer.window.steps,
+                       "parts": {name: value.detach().cpu()
+                                 for name, value in trainer.window.parts.items()}},
         "wandb_run_id": trainer.tracker.run_id,
         "config": OmegaConf.to_container(trainer.cfg, resolve=True),
         **trainer.task.checkpoint_meta(),  # class_names for classification
@@ -60,6 +65,9 @@ def restore(trainer: Trainer, state: CheckpointState) -> None:
     trainer.scaler.load_state_dict(state["scaler"])
     trainer.step, trainer.best = state["step"], state["best"]
     trainer.epoch, trainer.position = state["data"]["epoch"], state["data"]["position"]
+    if "schedule" in state["data"]:  # the run's own, made again into its train loader
+        trainer.data.load_state_dict(state["data"]["schedule"])
+        trainer.train_loader = trainer._train_loader()
     if trainer.auto_micro and state["data"]["micro_batch_size"] != trainer.micro:
         trainer.micro = state["data"]["micro_batch_size"]  # keep what fitted in memory
         trainer.train_loader = trainer._train_loader()
@@ -67,6 +75,8 @@ def restore(trainer: Trainer, state: CheckpointState) -> None:
         window = StepWindow(trainer.device)
         window.loss += state["log_window"]["loss"].to(trainer.device)
         window.steps = state["log_window"]["steps"]
+        window.add_parts({name: value.to(trainer.device)
+                          for name, value in state["log_window"].get("parts", {}).items()})
         trainer._resumed_window = window
     for name, callback_state in state.get("callbacks", {}).items():
         if name in trainer.callbacks:  # a callback added on resume starts fresh

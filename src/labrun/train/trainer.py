@@ -107,6 +107,12 @@ class Trainer:
         self.scaler, self.autocast = self.precision.scaler, self.precision.autocast
 
         self.task.setup(data.info, self.device, self.memory_format)
+        # Data with a schedule of its own (detection's mosaic, off for the last epochs) fixes
+        # it at a run's start; a resumed run takes the checkpoint's back (run_state.restore).
+        # The train loader is made again: its samples take the schedule when they are made.
+        if hasattr(data, "start"):
+            data.start(-(-self.max_steps // self.steps_per_epoch))
+            self.train_loader = self._train_loader()
 
         self.epoch = 0  # the epoch in progress (0-based)
         self.position = 0  # samples of this epoch's order already trained on, on this rank
@@ -334,6 +340,7 @@ class Trainer:
         micro-batch holds. Returns the step's loss, the same on every rank."""
         per_rank_items = self.per_rank_items(micro_batches)
         step_loss = torch.zeros((), device=self.device)
+        parts: dict[str, torch.Tensor] = {}  # a task's loss parts (detection's), summed alike
         for micro_step, batch in enumerate(micro_batches):
             batch = self.task.prepare(batch, self.device)
             last = micro_step == len(micro_batches) - 1
@@ -343,8 +350,14 @@ class Trainer:
                 loss = self.task.loss(self.net, batch) / per_rank_items
             self.scaler.scale(loss).backward()
             step_loss += loss.detach()
-        if self.dist.enabled:  # every rank must take the same decision after the step
+            for name, value in getattr(self.task, "loss_parts", {}).items():
+                parts[name] = parts.get(name, 0) + value.float() / per_rank_items
+        if self.dist.enabled and parts:  # the parts ride on the loss's all-reduce
+            summed = all_reduce_sum(torch.stack([step_loss, *parts.values()])) / self.dist.world_size
+            step_loss, parts = summed[0], dict(zip(parts, summed[1:], strict=True))
+        elif self.dist.enabled:  # every rank must take the same decision after the step
             step_loss = all_reduce_sum(step_loss) / self.dist.world_size
+        self.window.add_parts(parts)
         return step_loss
 
     def per_rank_items(self, micro_batches: list[Any]) -> float | torch.Tensor:
