@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
@@ -20,7 +21,7 @@ from PIL import Image
 from labrun import data as labrun_data
 from labrun.cli.hydra_app import user_error_message
 from labrun.config import schema, validation
-from labrun.core.errors import DataError
+from labrun.core.errors import ConfigError, DataError
 from labrun.core.project import LABRUN_CONF
 from labrun.data.detection import coco, shapes, transforms, yolo
 from labrun.data.detection.boxes import Cleaned, Objects
@@ -366,3 +367,20 @@ def test_each_detection_option_composes_and_a_misspelt_key_is_refused(tmp_path):
         with pytest.raises(Exception) as refused:
             composed("dataset=shapes_boxes", override)
         assert user_error_message(refused.value) == line
+
+
+@pytest.mark.parametrize("override, line", [
+    ("dataset.augment.mosaic=1.5", "dataset.augment.mosaic=1.5 must be in [0, 1]"),
+    ("dataset.augment.min_visible=-0.1", "dataset.augment.min_visible=-0.1 must be in [0, 1]"),
+    ("dataset.augment.brightness=1.0", "dataset.augment.brightness=1.0 must be in [0, 1)"),
+    ("dataset.augment.hue=0.7", "dataset.augment.hue=0.7 must be in [0, 0.5]"),
+    ("dataset.augment.close_mosaic=-1", "dataset.augment.close_mosaic=-1 must be 0 or more"),
+    ("dataset.augment.scale=[1.5,0.5]", "dataset.augment.scale=[1.5, 0.5] must be [low, high]"),
+])
+def test_an_augment_value_its_transform_cannot_take_is_one_line(override, line):
+    cfg = copy.deepcopy(small_shapes())
+    key, value = override.split("=")
+    OmegaConf.update(cfg, key.removeprefix("dataset."), yaml.safe_load(value))
+    with pytest.raises(ConfigError) as refused:
+        validation.check_detection_augment(cfg)
+    assert str(refused.value).startswith(line)
