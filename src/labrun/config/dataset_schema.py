@@ -1,5 +1,5 @@
 """The dataset/ group's schemas: what a dataset section holds, by kind of data (images,
-images with masks, tokens). Their own module for length; config/schema.py registers them with
+images with masks, images with boxes, tokens). Their own module for length; config/schema.py registers them with
 the others (SCHEMAS), and the two read as one table of every key labrun takes.
 """
 
@@ -112,6 +112,62 @@ class SegFolderConfig(SegmentationDatasetConfig):
 @dataclass
 class SegHDF5Config(SegmentationDatasetConfig):
     path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
+    decoder: str = decoder_key()
+
+
+@dataclass
+class DetectionAugmentConfig:
+    """Training's augmentation of detection (data/detection/transforms.py); eval only
+    letterboxes."""
+    hflip: bool = True
+    # The letterbox scale times a random factor of this range, then a random window of
+    # image_size x image_size; also the zoom of a mosaic's four images.
+    scale: list[float] = field(default_factory=lambda: [0.5, 1.5])
+    min_visible: float = 0.4  # a box cut to less of its area than this is dropped
+    # Colour jitter: random factors of [1 - x, 1 + x]; hue: a fraction of the colour wheel.
+    # 0 turns one off.
+    brightness: float = 0.3
+    contrast: float = 0.3
+    saturation: float = 0.5
+    hue: float = 0.015
+    mosaic: float = 1.0  # the probability of a mosaic of four images (0: never)
+    # Mosaic off for the last close_mosaic epochs (as YOLO): the epoch is fixed when a run
+    # starts and carried by its checkpoint (DetectionData.start, state_dict).
+    close_mosaic: int = 10
+
+
+@dataclass
+class DetectionDatasetConfig:
+    """A detection format's section (labrun.data.detection): images with boxes, letterboxed to
+    image_size x image_size; its own keys, none of classification's crop or normalisation."""
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET  # those its loader takes
+
+    _target_: str = MISSING  # the format's loader: {split: source with boxes = True}
+    name: str = MISSING
+    image_size: int = 640  # the side of the square images a batch holds
+    num_workers: int = key(2, resume_safe=True, affects_result=False)  # samples are seeded per index
+    val_fraction: float = 0.1  # held out of train when the data has no val split
+    split_seed: int = 0  # seeds the held-out val split
+    augment: DetectionAugmentConfig = key(factory=DetectionAugmentConfig)
+
+
+@dataclass
+class ShapesBoxesConfig(DetectionDatasetConfig):
+    image_size: int = 128
+    num_train: int = 400
+    num_val: int = 100
+    num_test: int = 0
+
+
+@dataclass
+class COCOConfig(DetectionDatasetConfig):
+    root: str = key(MISSING, must_exist=True, resume_safe=True)  # the folder may move
+    decoder: str = decoder_key()
+
+
+@dataclass
+class YOLOConfig(DetectionDatasetConfig):
+    data: str = key(MISSING, must_exist=True, resume_safe=True)  # data.yaml; it may move
     decoder: str = decoder_key()
 
 

@@ -23,7 +23,12 @@ from hydra.utils import get_object
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from labrun.config.dataset_schema import AugmentConfig, SegmentationDatasetConfig
+from labrun.config.dataset_schema import (
+    AugmentConfig,
+    DetectionAugmentConfig,
+    DetectionDatasetConfig,
+    SegmentationDatasetConfig,
+)
 from labrun.config.fields import NewKeys
 from labrun.config.schema import LoggerConfig, PretrainedModelConfig, TaskConfig
 from labrun.core import trust
@@ -43,10 +48,11 @@ def _fields(schema: type) -> tuple[str, ...]:
 # saved config.yaml) holds them all.
 LABRUN_READS: dict[str, tuple[str, ...]] = {
     # The image formats' size, decoding, splits, normalisation and augmentation (data/image,
-    # data/segmentation), a language model's window (LanguageModelling.check_config), and
+    # data/segmentation, data/detection), a language model's window (LanguageModelling.check_config), and
     # the decoder a served model decodes uploads with (tasks/classification.py,
     # tasks/segmentation.py).
-    "dataset": (*_fields(SegmentationDatasetConfig), "block_size", "decoder"),
+    "dataset": (*_fields(SegmentationDatasetConfig), *_fields(DetectionDatasetConfig),
+                "block_size", "decoder"),
     # The starting weights and frozen layers (models.LABRUN_KEYS).
     "model": _fields(PretrainedModelConfig),
     # The backend's name, as logger=NAME chose it, and the keys a lab's backend may share
@@ -57,7 +63,8 @@ LABRUN_READS: dict[str, tuple[str, ...]] = {
 }
 TARGET_SECTIONS = tuple(LABRUN_READS)
 # Sections below those that labrun reads, unless the target takes them itself.
-LABRUN_SUBSECTIONS = {"dataset.augment": _fields(AugmentConfig)}
+LABRUN_SUBSECTIONS = {"dataset.augment": (*_fields(AugmentConfig),
+                                           *_fields(DetectionAugmentConfig))}
 # Sections whose target Hydra's instantiate calls with every key, and a nested `_target_`
 # node's too (unless `_recursive_: false`); dataset and logger pass nested values as they are.
 INSTANTIATED = ("model", "task", "callbacks")

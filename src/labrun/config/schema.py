@@ -27,15 +27,18 @@ from omegaconf import MISSING
 
 from labrun.config.dataset_schema import (
     CIFAR10Config,
+    COCOConfig,
     DigitsConfig,
     HDF5Config,
     ImageFolderConfig,
     PythonDocsConfig,
     SegFolderConfig,
     SegHDF5Config,
+    ShapesBoxesConfig,
     ShapesConfig,
     SyntheticConfig,
     TokensConfig,
+    YOLOConfig,
 )
 from labrun.config.fields import NewKeys, key
 from labrun.config.objective import DEFAULT_MODE, DEFAULT_MONITOR, MODES
@@ -393,6 +396,9 @@ SCHEMAS: dict[str, Any] = {
     "dataset/shapes": ShapesConfig,
     "dataset/segfolder": SegFolderConfig,
     "dataset/seg_hdf5": SegHDF5Config,
+    "dataset/shapes_boxes": ShapesBoxesConfig,
+    "dataset/coco": COCOConfig,
+    "dataset/yolo": YOLOConfig,
     "dataset/tokens": TokensConfig,
     "dataset/python_docs": PythonDocsConfig,
     "model/simple_cnn": SimpleCNNConfig,

@@ -75,6 +75,7 @@ def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
     if not 0 <= fraction < 1:
         raise ConfigError(f"dataset.val_fraction={fraction} must be in [0, 1)")
     check_folds(cfg.dataset)
+    check_detection_augment(cfg.dataset)
     world_size = cfg.trainer.devices * cfg.trainer.num_nodes
     micro = cfg.trainer.micro_batch_size
     if micro != "auto":
@@ -101,6 +102,31 @@ def validate(cfg: DictConfig, *, read_data: bool = True) -> None:
     _validate_monitor(cfg)
     if read_data:
         check_task(cfg)
+
+
+def check_detection_augment(dataset: DictConfig) -> None:
+    """A detection dataset's augmentation (data/detection/transforms.py): each key within what
+    its transform can do, refused in one line before any data loads."""
+    augment = dataset.get("augment")
+    if not isinstance(augment, DictConfig) or "close_mosaic" not in augment:
+        return  # not detection's augment section
+    for name in ("mosaic", "min_visible"):
+        if not 0 <= augment[name] <= 1:
+            raise ConfigError(f"dataset.augment.{name}={augment[name]} must be in [0, 1]")
+    for name in ("brightness", "contrast", "saturation"):
+        if not 0 <= augment[name] < 1:
+            raise ConfigError(f"dataset.augment.{name}={augment[name]} must be in [0, 1): "
+                              f"factors are drawn from [1 - x, 1 + x]")
+    if not 0 <= augment.hue <= 0.5:
+        raise ConfigError(f"dataset.augment.hue={augment.hue} must be in [0, 0.5] (a share of "
+                          f"the colour wheel each way)")
+    if augment.close_mosaic < 0:
+        raise ConfigError(f"dataset.augment.close_mosaic={augment.close_mosaic} must be 0 or "
+                          f"more (epochs at the end without mosaic)")
+    scale = list(augment.scale)
+    if len(scale) != 2 or not 0 < scale[0] <= scale[1]:
+        raise ConfigError(f"dataset.augment.scale={scale} must be [low, high] with "
+                          f"0 < low <= high (for example [0.5, 1.5])")
 
 
 def check_task(cfg: DictConfig) -> None:

@@ -10,7 +10,9 @@
 A format is a function named by `dataset._target_`, called with the dataset keys it names as
 parameters (call_target). An image format returns {"train": ImageSource, "val": ..., ...},
 which labrun.data.image makes into ImageData (transforms, decoding, held-out val); a format of
-another kind returns its own object (dataset=tokens: labrun.data.tokens.TokenData).
+masks returns sources that say `dense = True` (SegData, labrun.data.segmentation), one of boxes
+sources that say `boxes = True` (DetectionData, labrun.data.detection); a format of another
+kind returns its own object (dataset=tokens: labrun.data.tokens.TokenData).
 
 Samples are addressed as (epoch, index) by EpochSampler, whatever the format: the sampler,
 which lives in the main process, hands the epoch to the workers with every index, so each
@@ -95,8 +97,12 @@ def build(cfg: DictConfig) -> Data:
     image.check_folds(cfg)
     made = call_target(cfg)
     if isinstance(made, dict):
-        from labrun.data import segmentation
+        from labrun.data import detection, segmentation
 
+        if detection.holds_boxes(made):
+            from labrun.data.detection.data import DetectionData
+
+            return DetectionData.build(made, cfg)
         if segmentation.holds_masks(made):
             return segmentation.SegData.build(made, cfg)
         return image.ImageData.build(made, cfg)

@@ -14,6 +14,9 @@ are kept as background.
 Refused in one line (DataError), naming the file and the annotation or image id: unreadable
 JSON, an annotation of an unknown image or category, a box well outside its image
 (boxes.checked), an image the file lists that its folder lacks.
+
+load(root, decoder) is dataset=coco's loader: train and val, and test where its annotation
+file is there, as detection sources (sources.SplitSource).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from pathlib import Path
 from labrun.core.errors import DataError
 from labrun.data.detection import DetectionItem, DetectionSplit
 from labrun.data.detection.boxes import Cleaned, Objects, checked, corners_from_corner_size
+from labrun.data.detection.sources import SplitSource
+from labrun.data.image.decode import resolve
 
 
 def annotation_file(root: Path, split: str) -> Path:
@@ -113,3 +118,13 @@ def read_split(root: str | os.PathLike, split: str) -> DetectionSplit:
     return DetectionSplit(split, items, [c["name"] for c in categories],
                           [c["id"] for c in categories], cleaned)
 
+
+
+def load(root: str, decoder: str = "turbojpeg") -> dict[str, SplitSource]:
+    """dataset=coco: {split: source} for train, val and (where its file is there) test."""
+    decoder, root_path = resolve(decoder), Path(root)
+    splits = ["train", "val"]
+    if list((root_path / "annotations").glob("instances_test*.json")):
+        splits.append("test")  # COCO's own test-dev has no annotations: a lab's test split
+    return {split: SplitSource(read_split(root_path, split), decoder, f"{root} ({split})")
+            for split in splits}

@@ -16,6 +16,9 @@ without a label file, or with an empty one, has no objects.
 Refused in one line (DataError), naming the file and the line: a line that is neither, a class
 beyond the names, a box well outside its image (boxes.checked), a label file whose image is
 missing; and a data.yaml without names or a split, naming the key.
+
+load(data, decoder) is dataset=yolo's loader: train and val, and test where data.yaml names
+one, as detection sources (sources.SplitSource).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from PIL import Image
 from labrun.core.errors import DataError
 from labrun.data.detection import DetectionItem, DetectionSplit
 from labrun.data.detection.boxes import Cleaned, Objects, checked, corners_from_center
-from labrun.data.image.decode import IMAGE_SUFFIXES
+from labrun.data.detection.sources import SplitSource
+from labrun.data.image.decode import IMAGE_SUFFIXES, resolve
 
 
 def read_data_yaml(path: str | os.PathLike) -> tuple[dict, Path, list[str]]:
@@ -166,3 +170,12 @@ def read_split(data_yaml: str | os.PathLike, split: str) -> DetectionSplit:
                                    read_labels(label_path(image), width, height, len(names),
                                                cleaned)))
     return DetectionSplit(split, items, names, None, cleaned)
+
+
+def load(data: str, decoder: str = "turbojpeg") -> dict[str, SplitSource]:
+    """dataset=yolo: {split: source} for train, val and (where data.yaml names one) test."""
+    decoder = resolve(decoder)
+    keys, _, _ = read_data_yaml(data)
+    splits = ["train", "val"] + (["test"] if keys.get("test") else [])
+    return {split: SplitSource(read_split(data, split), decoder, f"{data} ({split})")
+            for split in splits}
