@@ -30,6 +30,7 @@ REQUIRED = {"dataset/imagefolder": ["dataset.root={tmp}"], "dataset/hdf5": ["dat
             "dataset/shapes": ["task=segmentation"],
             "dataset/segfolder": ["dataset.root={tmp}", "task=segmentation"],
             "dataset/seg_hdf5": ["dataset.path={tmp}", "task=segmentation"],
+            "dataset/det_hdf5": ["dataset.path={tmp}"],
             "model/torchvision_seg": ["model.name=lraspp_mobilenet_v3_large"],
             # Its weights are fetched by the run itself here: no cache holds them.
             "experiment/finetune_resnet18": ["dataset.root={tmp}", "model.download=true"]}

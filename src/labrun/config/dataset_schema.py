@@ -115,6 +115,26 @@ class SegHDF5Config(SegmentationDatasetConfig):
     decoder: str = decoder_key()
 
 
+# -- detection: dataset=det_hdf5 (data/detection/hdf5.py) ---------------------------------------
+# Only what its loader and the pipeline read; to become a DetectionDatasetConfig (its augment
+# keys) once that schema lands.
+
+
+@dataclass
+class DetHDF5Config:
+    """A det_hdf5 file of `labrun convert det` (data/detection/hdf5.py)."""
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET
+
+    _target_: str = MISSING  # labrun.data.detection.hdf5.load
+    name: str = MISSING
+    path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
+    decoder: str = decoder_key()
+    image_size: int = 640
+    # samples are seeded per index: a resume may change it
+    num_workers: int = key(2, resume_safe=True, affects_result=False)
+    val_fraction: float = 0.1  # held out of train when the file has no val split
+
+
 @dataclass
 class TokensConfig:
     """A token folder of `labrun convert text` (data/tokens.py): its own keys, none of the

@@ -27,6 +27,7 @@ from omegaconf import MISSING
 
 from labrun.config.dataset_schema import (
     CIFAR10Config,
+    DetHDF5Config,
     DigitsConfig,
     HDF5Config,
     ImageFolderConfig,
@@ -370,6 +371,7 @@ SCHEMAS: dict[str, Any] = {
     "dataset/shapes": ShapesConfig,
     "dataset/segfolder": SegFolderConfig,
     "dataset/seg_hdf5": SegHDF5Config,
+    "dataset/det_hdf5": DetHDF5Config,
     "dataset/tokens": TokensConfig,
     "dataset/python_docs": PythonDocsConfig,
     "model/simple_cnn": SimpleCNNConfig,
