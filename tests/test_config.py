@@ -30,7 +30,10 @@ REQUIRED = {"dataset/imagefolder": ["dataset.root={tmp}"], "dataset/hdf5": ["dat
             "dataset/shapes": ["task=segmentation"],
             "dataset/segfolder": ["dataset.root={tmp}", "task=segmentation"],
             "dataset/seg_hdf5": ["dataset.path={tmp}", "task=segmentation"],
-            "dataset/coco": ["dataset.root={tmp}"], "dataset/yolo": ["dataset.data={tmp}"],
+            "dataset/coco": ["dataset.root={tmp}", "task=detection"],
+            "dataset/yolo": ["dataset.data={tmp}", "task=detection"],
+            "dataset/det_hdf5": ["dataset.path={tmp}", "task=detection"],
+            "dataset/shapes_boxes": ["task=detection"],
             "model/torchvision_seg": ["model.name=lraspp_mobilenet_v3_large"],
             # Its weights are fetched by the run itself here: no cache holds them.
             "experiment/finetune_resnet18": ["dataset.root={tmp}", "model.download=true"]}

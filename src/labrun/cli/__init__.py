@@ -20,8 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "the config groups (the same app as `python train.py`)"),
     "new": ("labrun.cli.new", "a new project of the lab: its own repository, configs and code, "
             "on labrun by version"),
-    "convert": ("labrun.cli.convert", "convert data: images (or images and masks: convert seg) "
-                "to one HDF5 file, text to token files"),
+    "convert": ("labrun.cli.convert", "convert data: images (or images and masks: convert seg; "
+                "images and boxes: convert det) to one HDF5 file, text to token files"),
     "resume": ("labrun.cli.rerun", "resume an interrupted run in its own folder"),
     "rerun": ("labrun.cli.rerun", "reproduce a run from scratch in a new folder"),
     "status": ("labrun.cli.status", "a sweep's or a run's jobs: state, metric, images/s or tokens/s, data wait, verdict"),

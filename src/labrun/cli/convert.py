@@ -1,6 +1,7 @@
 """`labrun convert [images] SRC_DIR OUT.h5` and `labrun convert --verify FILE.h5`: the
 arguments; the conversion is labrun.data.image.convert. `labrun convert text ...` is cli/convert_text,
-`labrun convert seg ...` (segmentation folders) cli/convert_seg.
+`labrun convert seg ...` (segmentation folders) cli/convert_seg, `labrun convert det ...` (COCO
+and YOLO detection data) cli/convert_det.
 
     labrun convert data/raw/imagenet data/processed/imagenet.h5 --max-side 512 --workers 16
     labrun convert images data/raw/cifar data/processed/cifar.h5 --storage raw
@@ -19,7 +20,7 @@ from labrun.data.image.convert import Options, convert, cpu_count, verify
 
 # labrun convert images ... is this module too, for one argument style with `convert text`.
 SUBCOMMANDS = {"images": "labrun.cli.convert", "text": "labrun.cli.convert_text",
-               "seg": "labrun.cli.convert_seg"}
+               "seg": "labrun.cli.convert_seg", "det": "labrun.cli.convert_det"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

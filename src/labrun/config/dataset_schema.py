@@ -115,6 +115,11 @@ class SegHDF5Config(SegmentationDatasetConfig):
     decoder: str = decoder_key()
 
 
+# -- detection: dataset=det_hdf5 (data/detection/hdf5.py) ---------------------------------------
+# Only what its loader and the pipeline read; to become a DetectionDatasetConfig (its augment
+# keys) once that schema lands.
+
+
 @dataclass
 class DetectionAugmentConfig:
     """Training's augmentation of detection (data/detection/transforms.py); eval only
@@ -168,6 +173,14 @@ class COCOConfig(DetectionDatasetConfig):
 @dataclass
 class YOLOConfig(DetectionDatasetConfig):
     data: str = key(MISSING, must_exist=True, resume_safe=True)  # data.yaml; it may move
+    decoder: str = decoder_key()
+
+
+@dataclass
+class DetHDF5Config(DetectionDatasetConfig):
+    """A det_hdf5 file of `labrun convert det` (data/detection/hdf5.py)."""
+
+    path: str = key(MISSING, must_exist=True, resume_safe=True)  # the file may move
     decoder: str = decoder_key()
 
 

@@ -28,6 +28,7 @@ from omegaconf import MISSING
 from labrun.config.dataset_schema import (
     CIFAR10Config,
     COCOConfig,
+    DetHDF5Config,
     DigitsConfig,
     HDF5Config,
     ImageFolderConfig,
@@ -399,6 +400,7 @@ SCHEMAS: dict[str, Any] = {
     "dataset/shapes_boxes": ShapesBoxesConfig,
     "dataset/coco": COCOConfig,
     "dataset/yolo": YOLOConfig,
+    "dataset/det_hdf5": DetHDF5Config,
     "dataset/tokens": TokensConfig,
     "dataset/python_docs": PythonDocsConfig,
     "model/simple_cnn": SimpleCNNConfig,

@@ -88,6 +88,9 @@ def _check(path: str, file: h5py.File) -> FileIndex:
     if _text(attrs.get("kind", "")) == "segmentation":  # data/segmentation/hdf5.py's
         raise DataError(f"{path} holds images and masks (labrun convert seg); read it with "
                         f"dataset=seg_hdf5 task=segmentation")
+    if _text(attrs.get("kind", "")) == "detection":  # data/detection/hdf5.py's
+        raise DataError(f"{path} holds images and boxes (labrun convert det); read it with "
+                        f"dataset=det_hdf5")
     if int(attrs["labrun_format"]) != FORMAT:
         raise DataError(f"{path} has labrun_format={attrs['labrun_format']} but this labrun "
                         f"reads format {FORMAT}; convert the images again with this labrun")

@@ -236,6 +236,9 @@ def _check(path: str, file: h5py.File) -> FileIndex:
     attrs = file.attrs
     if "labrun_format" not in attrs:
         raise fail("not a labrun dataset (no labrun_format attribute)")
+    if _text(attrs.get("kind", "")) == "detection":  # data/detection/hdf5.py's
+        raise DataError(f"{path} holds images and boxes (labrun convert det); read it with "
+                        f"dataset=det_hdf5")
     if _text(attrs.get("kind", "")) != KIND:
         raise DataError(f"{path} is an image classification file (one label per image); read "
                         f"it with dataset=hdf5, or convert a segmentation folder for "
