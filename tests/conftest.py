@@ -566,3 +566,12 @@ def ddp_short_one_process(tmp_path_factory) -> Path:
     folder = built_once(tmp_path_factory, "ddp_short_one", lambda folder: run_train(
         "trainer.devices=1", *DDP_SHORT, run_dir=folder / "run", env={"OMP_NUM_THREADS": "1"}))
     return folder / "run"
+
+
+@pytest.fixture(scope="session")
+def det_run(tmp_path_factory) -> Path:
+    """experiment=det_shapes trained once (FCOS on dataset=shapes_boxes), shared by every
+    detection test that reads a finished run: the preset's own mAP, the loss's parts, eval."""
+    folder = built_once(tmp_path_factory, "det_run", lambda folder: run_train(
+        "experiment=det_shapes", run_dir=folder / "run"))
+    return folder / "run"

@@ -16,8 +16,8 @@ from pycocotools.cocoeval import COCOeval
 
 from labrun.data.detection import DetectionItem
 from labrun.data.detection.boxes import Objects
-from labrun.tasks import coco_map
-from labrun.tasks.coco_map import Detections
+from labrun.train import coco_map
+from labrun.train.coco_map import Detections
 
 CLASSES = ["circle", "square"]
 

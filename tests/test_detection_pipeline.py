@@ -44,10 +44,12 @@ def painted(height: int, width: int, box, value: int = 255) -> np.ndarray:
 
 
 def composed(*overrides: str):
+    """A detection run's config (task=detection), validated as a run's is."""
     schema.register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(LABRUN_CONF), version_base="1.3"):
-        cfg = compose("train", overrides=["paths.run_dir=/tmp/x", *overrides])
+        cfg = compose("train", overrides=["paths.run_dir=/tmp/x", "task=detection",
+                                          *overrides])
     validation.validate(cfg)
     return cfg
 

@@ -225,9 +225,9 @@ class TorchvisionDetModelConfig(ModelConfig):
 
 @dataclass
 class FCOSModelConfig(ModelConfig):
-    backbone: str = key("resnet18", choices=("resnet18", "resnet34", "resnet50"))
+    backbone: str = "resnet18"  # resnet18 | resnet34 | resnet50 (models/detection.py checks)
     fpn_channels: int = 64
-    norm: str = key("group", choices=("group", "batch"))
+    norm: str = "group"  # group | batch
     score_threshold: float = 0.05
     detections_per_image: int = 100
 

@@ -16,11 +16,17 @@ so that it sees the images at the size they were made for, not torchvision's COC
 from __future__ import annotations
 
 import difflib
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from labrun.core.errors import ConfigError
 
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch is imported where a model is built: validation imports this module for check() alone.
+
+FCOS_BACKBONES = ("resnet18", "resnet34", "resnet50")
+NORMS = ("group", "batch")
 # The one-stage detectors whose head is sized from the backbone only (no RoI sampling): their
 # training loss is a function of the batch alone, with no random draw of proposals.
 SSD = ("ssd300_vgg16", "ssdlite320_mobilenet_v3_large")
@@ -75,24 +81,43 @@ def fcos(num_classes: int, image_size: int, backbone: str = "resnet18", fpn_chan
     normalised alone, so two DDP processes train as one and gradient accumulation is exact,
     which BatchNorm's batch statistics break; norm=batch is torchvision's default."""
     import torchvision
+    from torch import nn
     from torchvision.models.detection import FCOS
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
     from torchvision.models.detection.backbone_utils import BackboneWithFPN
-    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
-    if norm not in ("group", "batch"):
-        raise ConfigError(f"model.norm={norm}: use group (each image alone) or batch")
-    resnets = ("resnet18", "resnet34", "resnet50")
-    if backbone not in resnets:
-        raise ConfigError(f"model.backbone={backbone}: use one of {', '.join(resnets)}")
+    check_fcos(backbone, norm)
     layer = (lambda channels: nn.GroupNorm(32, channels)) if norm == "group" else None
     trunk = torchvision.models.get_model(backbone, weights=None,
                                          **({"norm_layer": layer} if layer else {}))
     expansion = 4 if backbone == "resnet50" else 1  # Bottleneck blocks widen 4 times
     widths = [128 * expansion, 256 * expansion, 512 * expansion]
+    # P3 to P5 (strides 8 to 32), without torchvision's P6 and P7: at the few hundred pixels
+    # a CPU trains on, those maps are 1 or 2 pixels wide, where the head's GroupNorm divides
+    # by the spread of two values (gradients that amplify float noise: two DDP processes
+    # drifted 1e-3 apart in 16 steps), and no object is large enough to need them.
     features = BackboneWithFPN(
         trunk, return_layers={"layer2": "0", "layer3": "1", "layer4": "2"},
-        in_channels_list=widths, out_channels=fpn_channels,
-        extra_blocks=LastLevelP6P7(fpn_channels, fpn_channels))
+        in_channels_list=widths, out_channels=fpn_channels)
+    features.fpn.extra_blocks = None  # BackboneWithFPN adds a max-pooled level for None
+    # One size a level, as FCOS's own (8 to 128): objects are assigned to a level by size.
+    anchors = AnchorGenerator(((8,), (16,), (32,)), ((1.0,),) * 3)
     return FCOS(features, num_classes=num_classes + 1, min_size=image_size,
-                max_size=image_size, score_thresh=score_threshold,
+                max_size=image_size, anchor_generator=anchors, score_thresh=score_threshold,
                 detections_per_img=detections_per_image)
+
+
+def check_fcos(backbone: str, norm: str) -> None:
+    """Refuse, before any data loads, a backbone or norm model=fcos does not build."""
+    if backbone not in FCOS_BACKBONES:
+        raise ConfigError(f"model.backbone={backbone}: model=fcos takes one of "
+                          f"{', '.join(FCOS_BACKBONES)}")
+    if norm not in NORMS:
+        raise ConfigError(f"model.norm={norm}: use group (each image normalised alone) or "
+                          f"batch (BatchNorm)")
+
+
+def check(model_cfg: Any) -> None:
+    """What validation checks of a detection model's section (task=detection)."""
+    if model_cfg.get("_target_") == "labrun.models.detection.fcos":
+        check_fcos(model_cfg.get("backbone", "resnet18"), model_cfg.get("norm", "group"))

@@ -294,7 +294,7 @@ class Detection:
 
     mAP is no per-batch sum: validation keeps every image's detections (eval_records), the
     Trainer gathers them from every rank in image order, and eval_metrics scores the whole
-    split with COCOeval's rules (tasks/coco_map.py): val/map (mAP@[.5:.95], the monitor),
+    split with COCOeval's rules (train/coco_map.py): val/map (mAP@[.5:.95], the monitor),
     val/map_50 and val/ap/CLASS."""
 
     gathers = True  # eval_records, not eval_sums (train/evaluation.py)
@@ -316,7 +316,9 @@ class Detection:
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
         from labrun.core.errors import ConfigError
+        from labrun.models import detection
 
+        detection.check(cfg.model)
         if not is_detection_dataset(cfg.dataset):
             raise ConfigError(f"task=detection needs a dataset of boxes (dataset=coco, yolo, "
                               f"shapes_boxes, det_hdf5); dataset {cfg.dataset.get('name')} has "
@@ -371,7 +373,7 @@ class Detection:
                      ) -> dict[str, float]:
         from labrun.data.detection import DetectionItem
         from labrun.data.detection.boxes import Objects
-        from labrun.tasks.coco_map import Detections, coco_map
+        from labrun.train.coco_map import Detections, coco_map
 
         items, detections = [], []
         for image_id, record in records:

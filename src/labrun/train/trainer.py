@@ -107,12 +107,6 @@ class Trainer:
         self.scaler, self.autocast = self.precision.scaler, self.precision.autocast
 
         self.task.setup(data.info, self.device, self.memory_format)
-        # Data with a schedule of its own (detection's mosaic, off for the last epochs) fixes
-        # it at a run's start; a resumed run takes the checkpoint's back (run_state.restore).
-        # The train loader is made again: its samples take the schedule when they are made.
-        if hasattr(data, "start"):
-            data.start(-(-self.max_steps // self.steps_per_epoch))
-            self.train_loader = self._train_loader()
 
         self.epoch = 0  # the epoch in progress (0-based)
         self.position = 0  # samples of this epoch's order already trained on, on this rank
@@ -137,6 +131,12 @@ class Trainer:
         if resume is not None:
             run_state.restore(self, resume)
             self.progress.message(f"resumed at epoch {self.epoch + 1}, step {self.step}")
+        elif hasattr(self.data, "start"):
+            # Data with a schedule of its own (detection's mosaic, off for the last epochs)
+            # fixes it when a run starts; a resumed run takes the checkpoint's back, whatever
+            # its budget is now. The loader is made again: its samples take the schedule.
+            self.data.start(-(-self.max_steps // self.steps_per_epoch))
+            self.train_loader = self._train_loader()
         self._call("on_fit_start")
         resumed_from = self.step
         # From here a stop signal checkpoints: summary.json saying "running" is what a

@@ -88,11 +88,6 @@ class DetectionData:
                ) -> Any:
         """Train: shuffled per epoch, augmented, whole optimizer steps only. Eval: in order,
         letterboxed, every sample once."""
-        aug = self.cfg.augment
-        if split == "train" and aug.mosaic > 0 and self.mosaic_off_from is None:
-            log.warning(f"mosaic stays on in every epoch: neither start() nor load_state_dict() "
-                        f"set the epoch dataset.augment.close_mosaic={aug.close_mosaic} "
-                        f"switches it off at")
         samples = DetectionDataset(self.splits[split], split, self.cfg, seed,
                                    self.mosaic_off_from)
         return images_loader(samples, self.cfg, micro_batch_size=micro_batch_size, seed=seed,

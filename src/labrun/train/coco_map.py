@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import io
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,7 +77,10 @@ def coco_map(items: Sequence, detections: Sequence[Detections], class_names: Seq
         figures.update({"map": 0.0, "map_50": 0.0})
         figures.update({f"ap/{c}": 0.0 for c in class_names})
         return figures
-    with contextlib.redirect_stdout(io.StringIO()):  # both print their progress and summary
+    # Both print their progress and summary (faster-coco-eval through logging, at INFO): a
+    # run's log would hold a dozen lines of it at every validation.
+    logging.getLogger("faster_coco_eval").setLevel(logging.WARNING)
+    with contextlib.redirect_stdout(io.StringIO()):
         truth = coco_class()  # pycocotools' takes a file name only: the dataset is set
         truth.dataset = dataset
         truth.createIndex()
