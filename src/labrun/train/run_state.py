@@ -40,8 +40,10 @@ def capture(trainer: Trainer) -> CheckpointState:
         # The steps since the last logged point (see Trainer.train_epoch).
         "log_window": {"loss": trainer.window.loss.detach().cpu(),
                        "steps": trainer.window.steps,
-                       "parts": {name: value.detach().cpu()
-                                 for name, value in trainer.window.parts.items()}},
+                       # The loss's parts a task reports (detection's), where it has any.
+                       **({"parts": {name: value.detach().cpu()
+                                     for name, value in trainer.window.parts.items()}}
+                          if trainer.window.parts else {})},
         "wandb_run_id": trainer.tracker.run_id,
         "config": OmegaConf.to_container(trainer.cfg, resolve=True),
         **trainer.task.checkpoint_meta(),  # class_names for classification
