@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from labrun.data.detection.boxes import Cleaned, Objects
-from labrun.data.segmentation.shapes import _triangle
+from labrun.data.segmentation.shapes import shape_pixels, texture
 
 CLASS_NAMES = ["circle", "rectangle", "triangle"]
 SPLIT_SEEDS = {"train": 21, "val": 22, "test": 23}
@@ -23,12 +23,7 @@ RADIUS = (0.08, 0.22)  # of the image's side; 2 x 0.22 < 0.5: a shape fits in it
 
 def draw(rng: np.random.Generator, size: int) -> tuple[np.ndarray, Objects]:
     """One uint8 size x size x 3 image and its objects."""
-    y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
-    image = np.zeros((size, size, 3), np.float32)
-    for _ in range(2):  # two gratings of random angle, frequency and colour
-        angle, freq = rng.uniform(0, np.pi), rng.uniform(2, 8)
-        wave = 0.5 + 0.5 * np.sin(2 * np.pi * freq * (x * np.cos(angle) + y * np.sin(angle)))
-        image += wave[..., None] * rng.uniform(20, 90, size=3)
+    y, x, image = texture(rng, size)
     boxes, labels = [], []
     count = int(rng.integers(1, 5))
     for cell in rng.permutation(4)[:count]:  # distinct cells of the 2x2 grid
@@ -37,13 +32,7 @@ def draw(rng: np.random.Generator, size: int) -> tuple[np.ndarray, Objects]:
         # The centre anywhere in the cell that keeps the shape inside it.
         cy = (cell // 2) * 0.5 + radius + rng.uniform(0, 0.5 - 2 * radius)
         cx = (cell % 2) * 0.5 + radius + rng.uniform(0, 0.5 - 2 * radius)
-        if label == 0:
-            inside = (y - cy) ** 2 + (x - cx) ** 2 <= radius ** 2
-        elif label == 1:
-            half_h, half_w = radius * rng.uniform(0.6, 1.0, size=2)
-            inside = (np.abs(y - cy) <= half_h) & (np.abs(x - cx) <= half_w)
-        else:
-            inside = _triangle(y, x, cy, cx, radius, rng.uniform(0, 2 * np.pi))
+        inside = shape_pixels(CLASS_NAMES[label], y, x, cy, cx, radius, rng)
         rows, cols = np.nonzero(inside)
         if len(rows) == 0:  # too small for the pixel grid (a tiny image_size)
             continue

@@ -16,28 +16,42 @@ SPLIT_SEEDS = {"train": 11, "val": 12, "test": 13}
 
 def draw(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
     """One uint8 size x size x 3 image and its uint8 size x size mask."""
-    y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
-    image = np.zeros((size, size, 3), np.float32)
-    for _ in range(2):  # two gratings of random angle, frequency and colour
-        angle, freq = rng.uniform(0, np.pi), rng.uniform(2, 8)
-        wave = 0.5 + 0.5 * np.sin(2 * np.pi * freq * (x * np.cos(angle) + y * np.sin(angle)))
-        image += wave[..., None] * rng.uniform(20, 90, size=3)
+    y, x, image = texture(rng, size)
     mask = np.zeros((size, size), np.uint8)
     for _ in range(int(rng.integers(1, 4))):
         label = int(rng.integers(1, len(CLASS_NAMES)))
         cy, cx = rng.uniform(0.2, 0.8, size=2)
         radius = rng.uniform(0.14, 0.28)
-        if label == 1:
-            inside = (y - cy) ** 2 + (x - cx) ** 2 <= radius ** 2
-        elif label == 2:
-            half_h, half_w = radius * rng.uniform(0.6, 1.0, size=2)
-            inside = (np.abs(y - cy) <= half_h) & (np.abs(x - cx) <= half_w)
-        else:
-            inside = _triangle(y, x, cy, cx, radius, rng.uniform(0, 2 * np.pi))
+        inside = shape_pixels(CLASS_NAMES[label], y, x, cy, cx, radius, rng)
         mask[inside] = label
         image[inside] = rng.uniform(40, 255, size=3)
     image += rng.normal(0, 12, size=image.shape)
     return np.clip(image, 0, 255).astype(np.uint8), mask
+
+
+def texture(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(y, x, image): the pixels' coordinates in [0, 1) and a float32 size x size x 3
+    background of two gratings of random angle, frequency and colour (dataset=shapes_boxes
+    draws on the same)."""
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    image = np.zeros((size, size, 3), np.float32)
+    for _ in range(2):
+        angle, freq = rng.uniform(0, np.pi), rng.uniform(2, 8)
+        wave = 0.5 + 0.5 * np.sin(2 * np.pi * freq * (x * np.cos(angle) + y * np.sin(angle)))
+        image += wave[..., None] * rng.uniform(20, 90, size=3)
+    return y, x, image
+
+
+def shape_pixels(kind: str, y: np.ndarray, x: np.ndarray, cy: float, cx: float, radius: float,
+                 rng: np.random.Generator) -> np.ndarray:
+    """Where a circle, rectangle (sides drawn from the radius) or triangle (turned at random)
+    centred at (cy, cx) lies: a bool mask of the grid (y, x)."""
+    if kind == "circle":
+        return (y - cy) ** 2 + (x - cx) ** 2 <= radius ** 2
+    if kind == "rectangle":
+        half_h, half_w = radius * rng.uniform(0.6, 1.0, size=2)
+        return (np.abs(y - cy) <= half_h) & (np.abs(x - cx) <= half_w)
+    return _triangle(y, x, cy, cx, radius, rng.uniform(0, 2 * np.pi))
 
 
 def _triangle(y: np.ndarray, x: np.ndarray, cy: float, cx: float, radius: float,
