@@ -255,7 +255,7 @@ class Trainer:
         waited = time.perf_counter() - wait_start
         window.wait += waited
         self.stats.data_wait_s += waited
-        step_loss = self.backward(micro_batches)
+        step_loss, loss_parts = self.backward(micro_batches)
         # fp16's GradScaler skips non-finite steps itself. Otherwise nan_policy=stop notes the
         # loss on the device and check_finite() stops the run at its next read; skip has to
         # know now whether to take this step, so it waits for the loss every step.
@@ -277,6 +277,7 @@ class Trainer:
         window.steps += 1
         window.samples += self.per_rank_batch * self.dist.world_size
         window.loss += step_loss
+        window.add_parts(loss_parts)
         # Steps and images counted together: a scrape never sees one without the other.
         self.stats.count_step(self.per_rank_batch * self.dist.world_size, time.time())
 
@@ -334,10 +335,11 @@ class Trainer:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def backward(self, micro_batches: list[Any]) -> torch.Tensor:
+    def backward(self, micro_batches: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Leave the gradient of one big batch holding the step's micro-batches of every rank:
         each one's summed loss divided by the items of the whole step, whatever number each
-        micro-batch holds. Returns the step's loss, the same on every rank."""
+        micro-batch holds. Returns the step's loss, the same on every rank, and the parts of it
+        a task reports (detection's losses; the task's loss_parts after each loss()), alike."""
         per_rank_items = self.per_rank_items(micro_batches)
         step_loss = torch.zeros((), device=self.device)
         parts: dict[str, torch.Tensor] = {}  # a task's loss parts (detection's), summed alike
@@ -357,8 +359,7 @@ class Trainer:
             step_loss, parts = summed[0], dict(zip(parts, summed[1:], strict=True))
         elif self.dist.enabled:  # every rank must take the same decision after the step
             step_loss = all_reduce_sum(step_loss) / self.dist.world_size
-        self.window.add_parts(parts)
-        return step_loss
+        return step_loss, parts
 
     def per_rank_items(self, micro_batches: list[Any]) -> float | torch.Tensor:
         """The step's items over all ranks, divided by the ranks: each rank divides its summed
