@@ -19,6 +19,14 @@ batch)`, timm's `TrainingTask`). A task is a class with:
                                                   whole optimizer step
     eval_sums(model, batch) -> 1-d tensor         per-batch sums, added up (and all-reduced)
     eval_metrics(sums, split) -> {SPLIT/NAME: value}
+    gathers, eval_records(model, batch)           optional, for a metric that is no sum
+                                                  (detection's mAP ranks the whole split):
+                                                  gathers = True, and eval_records gives
+                                                  [(key, record)] per batch, which every
+                                                  rank's are gathered and sorted by key into
+                                                  eval_metrics(records, split)
+    loss_parts: dict[str, tensor]                 optional: the parts of the last loss(),
+                                                  summed as it is (train/loss_NAME)
     checkpoint_meta() -> dict                     what a checkpoint must carry to be used
                                                   alone: class names; what its deploy module
                                                   reads (a tokenizer, the data's sizes)
