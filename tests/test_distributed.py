@@ -166,7 +166,7 @@ def rank_gradient(rank: int, init_file: str, out: str) -> None:
             net=DistributedDataParallel(model), autocast=contextlib.nullcontext,
             scaler=torch.amp.GradScaler("cpu", enabled=False))
         trainer.per_rank_items = functools.partial(Trainer.per_rank_items, trainer)
-        step_loss = Trainer.backward(trainer, padded_micro_batches()[2 * rank:2 * rank + 2])
+        step_loss, _ = Trainer.backward(trainer, padded_micro_batches()[2 * rank:2 * rank + 2])
         torch.save({"loss": step_loss, "grads": {name: p.grad for name, p in
                                                  model.named_parameters()}}, f"{out}.{rank}")
     finally:
