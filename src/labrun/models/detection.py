@@ -23,12 +23,9 @@ from labrun.core.errors import ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-# torch is imported where a model is built: validation imports this module for check() alone.
-
 FCOS_BACKBONES = ("resnet18", "resnet34", "resnet50")
 NORMS = ("group", "batch")
-# The one-stage detectors whose head is sized from the backbone only (no RoI sampling): their
-# training loss is a function of the batch alone, with no random draw of proposals.
+# The detectors whose builders fix the input size (300 and 320 px) rather than take one.
 SSD = ("ssd300_vgg16", "ssdlite320_mobilenet_v3_large")
 
 
