@@ -105,8 +105,8 @@ def untrained_map_50(run_dir: Path) -> float:
     """val/map_50 of the preset's detector as it starts (its seed's weights), on the same val
     images: what a model that has learnt nothing scores."""
     from labrun import data
+    from labrun.train.detection_task import Detection
     from labrun.train.evaluation import evaluation_sums
-    from labrun.train.task import Detection
 
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     cfg.dataset.num_workers = 0
