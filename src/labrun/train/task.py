@@ -301,6 +301,7 @@ class Detection:
     num_sums = 0
     metric_names = ("map", "map_50")
     units = {"images": 1}
+    deploy = "labrun.tasks.detection"
 
     def __init__(self) -> None:
         self.class_names: list[str] = []
