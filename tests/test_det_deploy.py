@@ -141,6 +141,19 @@ def test_a_tampered_score_fails_parity_in_one_line(det_run, det_export):
     assert "have no match" in broken["failure"] and "\n" not in broken["failure"]
 
 
+def test_torchscript_export_passes_parity_and_serves_the_onnx_answers(det_run, det_export,
+                                                                       tmp_path):
+    out = tmp_path / "det.torchscript.pt"
+    exported = export.export(det_run, out=out, fmt="torchscript")
+    parity = exported.metadata["parity"]
+    assert parity["passed"] and parity["eager"] >= 16 and parity["unmatched"] == 0, parity
+    assert exported.metadata["exporter"] == "torch.jit.trace"
+    data = encode(shapes_image(2))
+    scripted = detection.Detector(out).detections(data)
+    assert scripted["boxes"]
+    assert_same_answer(scripted, detection.Detector(det_export).detections(data), 0.01, "ts")
+
+
 # ---------------------------------------------------------------------------------------------
 # Serving
 
@@ -241,7 +254,8 @@ def test_concurrent_requests_share_model_calls_and_each_gets_its_lone_answer(ser
 # Predict
 
 
-def test_predict_writes_a_json_and_an_overlay_png_per_image(det_export, tmp_path, capsys):
+def test_predict_writes_a_json_and_an_overlay_png_per_image(det_export, tmp_path, capsys,
+                                                             caplog):
     folder = tmp_path / "images"
     folder.mkdir()
     (folder / "square.png").write_bytes(encode(shapes_image(40)))
@@ -251,7 +265,7 @@ def test_predict_writes_a_json_and_an_overlay_png_per_image(det_export, tmp_path
     out = tmp_path / "boxes"
     assert cli.main(["predict", str(det_export), str(folder), "--out", str(out)]) == 1
     printed = capsys.readouterr()
-    assert "skipped" in printed.err and "broken.png" in printed.err  # and said so
+    assert "skipped" in caplog.text and "broken.png" in caplog.text  # and said so
     assert sorted(p.name for p in out.iterdir()) == [
         "square.json", "square_overlay.png", "wide.json", "wide_overlay.png"]
     assert len(printed.out.splitlines()) == 2 and " boxes" in printed.out
