@@ -1,13 +1,15 @@
 """`labrun export`, serving and `labrun predict` of a detection run (task=detection): det_run
 (FCOS on dataset=shapes_boxes, 96 px, 3 classes) exported to ONNX once, with the box decoding
 and NMS in the graph and its parity against the eager detector recorded; a tampered score fails
-that parity; the exported file served by labrun.deploy.serve's app on a real uvicorn on
+that parity; TorchScript traces the same graph, passes its parity and answers as the ONNX file
+does; the exported file served by labrun.deploy.serve's app on a real uvicorn on
 127.0.0.1 answers boxes in the upload's own pixels (an upload of another size than the model's,
 checked against eager PyTorch on the letterboxed image mapped back by this test's own
 arithmetic), filters by score_threshold and max_detections, and batches concurrent requests
 each to its lone answer; `labrun predict --out DIR` writes a JSON and an overlay PNG per image.
 
-Cheap on purpose: one export and one in-process server, shared by every test."""
+Cheap on purpose: one ONNX export and one in-process server, shared by every test (the
+TorchScript test exports its own)."""
 
 from __future__ import annotations
 
