@@ -6,7 +6,8 @@ does; the exported file served by labrun.deploy.serve's app on a real uvicorn on
 127.0.0.1 answers boxes in the upload's own pixels (an upload of another size than the model's,
 checked against eager PyTorch on the letterboxed image mapped back by this test's own
 arithmetic), filters by score_threshold and max_detections, and batches concurrent requests
-each to its lone answer; `labrun predict --out DIR` writes a JSON and an overlay PNG per image.
+each to its lone answer; `labrun predict --out DIR` writes a JSON and an overlay PNG per image;
+a detector other than FCOS is refused by the export in one line.
 
 Cheap on purpose: one ONNX export and one in-process server, shared by every test (the
 TorchScript test exports its own)."""
@@ -30,6 +31,7 @@ from PIL import Image
 
 from conftest import built_once
 from labrun import cli, models
+from labrun.core.errors import LabrunError
 from labrun.data.detection import transforms
 from labrun.data.detection.boxes import Objects
 from labrun.data.detection.shapes import CLASS_NAMES, draw
@@ -289,3 +291,12 @@ def test_predict_writes_a_json_and_an_overlay_png_per_image(det_export, tmp_path
     assert cli.main(["predict", str(det_export), str(folder), "--out", str(folder)]) == 2
     assert "--out" in capsys.readouterr().err
     assert sorted(p.name for p in folder.iterdir()) == ["broken.png", "square.png", "wide.png"]
+
+
+def test_a_detector_without_an_in_graph_export_is_refused_in_one_line():
+    from labrun.models.detection import torchvision_det_model
+
+    model = torchvision_det_model(3, "ssdlite320_mobilenet_v3_large", SIZE).eval()
+    with pytest.raises(LabrunError, match="has no export with its decoding and NMS") as error:
+        detection.graph_of(model, SIZE, "ssdlite320_mobilenet_v3_large")
+    assert "model=fcos" in str(error.value) and "\n" not in str(error.value)
