@@ -40,8 +40,11 @@ call. Only FCOS detectors export (model=fcos, or model=torchvision_det with name
 fcos_resnet50_fpn); the other torchvision detectors are refused with a message saying so.
 
 ONNX goes through the legacy (TorchScript-based) exporter first, the path torchvision documents
-for its detectors (opset >= 11: its NMS is registered as ONNX's NonMaxSuppression); TorchScript
-traces the same graph (loading it needs torchvision's ops, which Detector imports).
+for its detectors (opset >= 11: its NMS is registered as ONNX's NonMaxSuppression), and the
+dynamo exporter when it fails: both pass the parity check exactly alike (experiment=det_shapes'
+FCOS, 16 val images: every detection matched, scores within 6e-7), and the legacy one exports in
+half the time (11 s against 22 s on a loaded 2-core machine). TorchScript traces the same graph
+(loading it needs torchvision's ops, which Detector imports).
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ USAGE = ("POST /predict?score_threshold=&max_detections= with multipart field 'f
          "(POST /predict/batch: fields 'files'), for boxes")
 OUTPUT = "detections"
 COLUMNS = ("image", "x1", "y1", "x2", "y2", "score", "label")
-# The legacy exporter first: torchvision's documented path for its detectors (module docstring).
+# The legacy exporter first: torchvision's documented path for its detectors, twice as fast as
+# dynamo here for the same file's figures (module docstring); dynamo when it fails.
 EXPORTERS = ("legacy", "dynamo")
 PARITY_IMAGES = 16
 # A detection of the exported file matches eager PyTorch's: the same class, a box of IoU at
