@@ -162,6 +162,12 @@ class Plan:
     check: Callable[[Path, torch.nn.Module], dict[str, Any]] | None
     report: Callable[[dict[str, Any], str], None]  # logs the check's figures (--verbose)
     metadata: dict[str, Any]  # what serving reads of this kind of model
+    output: str = "logits"  # the output's name in the file
+    # The output's dynamic axes, by name (None: the input's axes' names, at the same axes).
+    output_axes: dict[int, str] | None = None
+    # The ONNX exporters `--exporter auto` tries, in order (None: dynamo, then legacy): a
+    # model whose graph only one of them can export names that one.
+    exporters: tuple[str, ...] | None = None
 
 
 def write_checked(plan: Plan, out: Path, target: Target, exporter: str, opset: int,
@@ -172,12 +178,13 @@ def write_checked(plan: Plan, out: Path, target: Target, exporter: str, opset: i
     # The exported copy is fp16 with --fp16; the eager reference stays fp32, the model trained.
     reference = plan.model.to(target.device)
     to_export = copy.deepcopy(plan.model).to(device=target.device, dtype=target.dtype)
-    candidates = exporters(target.fmt, exporter)
+    candidates = exporters(target.fmt, exporter, plan.exporters)
     failures = []
     for name in candidates:
         try:
             with atomic_path(out) as tmp:  # `out` appears only once it passed the parity check
-                write_model(to_export, plan.example, tmp, target.fmt, name, opset, plan.axes)
+                write_model(to_export, plan.example, tmp, target.fmt, name, opset, plan.axes,
+                            plan.output, plan.output_axes)
                 check = None
                 if plan.check is not None:
                     check = plan.check(tmp, reference)
@@ -261,18 +268,22 @@ def check_targets(node: Any, key: str, ours: tuple[str, ...] = hooks.TRUSTED_TAR
 # Writing the file
 
 
-def exporters(fmt: str, choice: str) -> list[str]:
+def exporters(fmt: str, choice: str, preferred: tuple[str, ...] | None = None) -> list[str]:
     if fmt == "torchscript":
         return ["torch.jit.trace"]
-    return ["dynamo", "legacy"] if choice == "auto" else [choice]
+    if choice != "auto":
+        return [choice]
+    return list(preferred or ("dynamo", "legacy"))
 
 
 def write_model(model: torch.nn.Module, example: torch.Tensor, path: Path, fmt: str,
                 exporter: str, opset: int,
-                axes: dict[int, tuple[str, int | None]] = BATCH_AXIS) -> None:
-    """The model as `fmt`, its input's `axes` dynamic (the logits' leading axes follow them;
-    tracing keeps shapes dynamic by itself)."""
+                axes: dict[int, tuple[str, int | None]] = BATCH_AXIS, output: str = "logits",
+                output_axes: dict[int, str] | None = None) -> None:
+    """The model as `fmt`, its input's `axes` dynamic (the output's leading axes follow them
+    unless `output_axes` names its own; tracing keeps shapes dynamic by itself)."""
     names = {axis: name for axis, (name, _) in axes.items()}
+    out_names = names if output_axes is None else output_axes
     with torch.no_grad(), warnings.catch_warnings():
         # Both torch.jit and the legacy ONNX exporter warn that they are deprecated; the
         # metadata records which exporter made the file, which is what a reader needs.
@@ -285,14 +296,14 @@ def write_model(model: torch.nn.Module, example: torch.Tensor, path: Path, fmt: 
             torch.jit.trace(model, example, check_trace=False).save(str(path))
         elif exporter == "dynamo":
             torch.onnx.export(model, (example,), str(path), dynamo=True, verbose=False,
-                              input_names=["input"], output_names=["logits"],
+                              input_names=["input"], output_names=[output],
                               dynamic_shapes=({axis: torch.export.Dim(name, max=largest)
                                                for axis, (name, largest) in axes.items()},),
                               opset_version=opset, external_data=False)
         else:
             torch.onnx.export(model, (example,), str(path), dynamo=False,
-                              input_names=["input"], output_names=["logits"],
-                              dynamic_axes={"input": names, "logits": names},
+                              input_names=["input"], output_names=[output],
+                              dynamic_axes={"input": names, output: out_names},
                               opset_version=opset)
 
 

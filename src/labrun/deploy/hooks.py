@@ -57,7 +57,8 @@ TRUSTED_DATA = ("labrun.data.",)  # a dataset's `_target_`, which a parity check
 # or nothing at all (an image classifier's, which every export was at first).
 BEFORE_DEPLOY_MODULES = {"classification": "labrun.tasks.classification",
                          "lm": "labrun.tasks.lm",
-                         "segmentation": "labrun.tasks.segmentation"}
+                         "segmentation": "labrun.tasks.segmentation",
+                         "detection": "labrun.tasks.detection"}
 HOOKS = ("TASK", "REQUIRED_KEYS", "USAGE", "export_plan", "load", "describe", "health",
          "add_routes")
 PREDICT_HOOKS = ("predict_arguments", "predict")

@@ -36,6 +36,7 @@ class Detection:
     num_sums = 0
     metric_names = ("map", "map_50")
     units = {"images": 1}
+    deploy = "labrun.tasks.detection"  # export, serving and predict (labrun.deploy.hooks)
 
     def __init__(self) -> None:
         self.class_names: list[str] = []
@@ -58,6 +59,7 @@ class Detection:
             raise ConfigError(f"task=detection needs a dataset of boxes (dataset=coco, yolo, "
                               f"shapes_boxes, det_hdf5); dataset {cfg.dataset.get('name')} has "
                               f"{'masks' if 'ignore_index' in cfg.dataset else 'a label per image'}")
+
 
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:
