@@ -217,8 +217,11 @@ class TorchvisionSegModelConfig(PretrainedModelConfig):
 
 
 @dataclass
-class TorchvisionDetModelConfig(ModelConfig):
+class TorchvisionDetModelConfig(PretrainedModelConfig):
     name: str = MISSING  # fcos_resnet50_fpn, retinanet_resnet50_fpn_v2, ssdlite320_mobilenet_v3_large...
+    # Its backbone's weights alone (ImageNet's: true, or their name), the rest random; or the
+    # whole detector's with `pretrained` (COCO's). Found offline as `pretrained` is.
+    weights_backbone: Any = False
     score_threshold: float = 0.05  # what evaluation keeps of the detector's answers
     detections_per_image: int = 100
 

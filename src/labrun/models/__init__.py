@@ -20,7 +20,7 @@ from labrun.core.errors import ConfigError
 # not constructor arguments (train/initial_weights.py, train/fine_tuning.py); a factory that
 # takes `pretrained` gets it all the same: torchvision's are built as their weights' builder
 # builds them.
-LABRUN_KEYS = ("init_from", "pretrained", "download", "freeze")
+LABRUN_KEYS = ("init_from", "pretrained", "weights_backbone", "download", "freeze")
 # torchvision's classifiers with auxiliary classifiers (GoogLeNet's aux1 and aux2, Inception
 # v3's AuxLogits): in training they return those logits beside the main ones, a namedtuple the
 # classification loss cannot take. labrun builds them without, as torchvision's googlenet
@@ -102,9 +102,11 @@ def build(model_cfg: DictConfig, num_classes: int | None = None, **sizes: int) -
         else:
             del sizes[name]  # the model's config fixes it (model.block_size=1024)
     factory = instantiate(factory_cfg)
-    if "pretrained" in inspect.signature(factory).parameters:  # built for the weights it loads
-        return factory(**sizes, pretrained=model_cfg.get("pretrained", False))
-    return factory(**sizes)
+    # Built for the weights it loads (models/pretrained.py): the keys the factory takes.
+    parameters = inspect.signature(factory).parameters
+    asked = {key: model_cfg.get(key, False) for key in ("pretrained", "weights_backbone")
+             if key in parameters}
+    return factory(**sizes, **asked)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

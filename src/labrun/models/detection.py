@@ -4,8 +4,10 @@ return a dict of losses; in eval mode a list of {"boxes", "labels", "scores"} pe
 input's pixels, after their own box decoding and non-maximum suppression.
 
 Randomly initialised, with no backbone download (torchvision's default for weights_backbone
-would fetch ImageNet's): pretrained weights come from the weights cache after the model is
-built. Labels count from 1: torchvision's detectors keep 0 for the background, so a dataset of
+would fetch ImageNet's); or, for `model.pretrained` (the whole detector's weights, COCO's) or
+`model.weights_backbone` (its backbone's, ImageNet's), built as torchvision's builder builds the
+model it loads such weights into (as_for_trained_weights), and the weights, found in the weights
+cache, loaded after the build by the builder itself (models/pretrained.py). Labels count from 1: torchvision's detectors keep 0 for the background, so a dataset of
 K classes makes a model of K + 1 (task=detection shifts the indices on the way in and out).
 
 The model's own transform resizes its input to `image_size` (the data's: dataset.image_size),
@@ -15,8 +17,11 @@ so that it sees the images at the size they were made for, not torchvision's COC
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 from labrun.core.errors import ConfigError
 
@@ -29,13 +34,18 @@ NORMS = ("group", "batch")
 SSD = ("ssd300_vgg16", "ssdlite320_mobilenet_v3_large")
 
 
-def torchvision_det_model(num_classes: int, name: str, image_size: int,
-                          score_threshold: float = 0.05, detections_per_image: int = 100
+def torchvision_det_model(num_classes: int, name: str, image_size: int | None = None,
+                          score_threshold: float = 0.05, detections_per_image: int = 100,
+                          pretrained: bool | str = False, weights_backbone: bool | str = False
                           ) -> nn.Module:
     """torchvision's detector `name` for `num_classes` classes (plus its background), at
-    `image_size`. score_threshold and detections_per_image: what evaluation keeps of its
-    answers (COCOeval ranks up to 100 an image)."""
+    `image_size` (a run passes the data's; None: torchvision's own sizes, as when only its
+    tensors matter). score_threshold and detections_per_image: what evaluation keeps of its
+    answers (COCOeval ranks up to 100 an image). pretrained, weights_backbone: the model is
+    the one the builder makes for such weights (as_for_trained_weights), without them."""
     import torchvision
+
+    from labrun.models import pretrained as weights
 
     available = torchvision.models.list_models(module=torchvision.models.detection)
     if name not in available:
@@ -46,15 +56,53 @@ def torchvision_det_model(num_classes: int, name: str, image_size: int,
     if name in SSD:  # their builders fix the size: set on the model's transform below
         arguments.update(score_thresh=score_threshold, detections_per_img=detections_per_image)
     else:
-        arguments.update(min_size=image_size, max_size=image_size)
+        if image_size is not None:
+            arguments.update(min_size=image_size, max_size=image_size)
         arguments.update(_threshold_arguments(name, score_threshold, detections_per_image))
-    model = torchvision.models.get_model(name, **arguments)
-    if name in SSD:
+    trained = contextlib.nullcontext()
+    if pretrained:
+        arguments["weights"] = weights.torchvision_weights(name, pretrained, "detection")
+        arguments["weights_backbone"] = None  # the builder's own rule: the whole model's hold it
+        trained = as_for_trained_weights(arguments["weights"], num_classes + 1)
+    elif weights_backbone:
+        arguments["weights_backbone"] = weights.torchvision_weights(name, weights_backbone,
+                                                                    "detection", backbone=True)
+        trained = as_for_trained_weights()
+    with trained:
+        model = torchvision.models.get_model(name, **arguments)
+    if name in SSD and image_size is not None:
         # Their builders pass their own size (300, 320) to SSD, which resizes every image to
         # it; the anchors are relative to the image, so the data's size is set on the model.
         model.transform.fixed_size = (image_size, image_size)
         model.transform.min_size, model.transform.max_size = (image_size,), image_size
     return model
+
+
+@contextlib.contextmanager
+def as_for_trained_weights(weights: Any = None, classes: int | None = None) -> Iterator[None]:
+    """While it lasts, a torchvision builder asked for weights builds the model it would load
+    them into, and reads no file: labrun loads them after the build, from the file it found
+    offline, through the builder itself (models/pretrained.py), and validation compares both
+    models' tensors and settings (train/initial_weights.py).
+
+    Why the builder: it builds another model for trained weights than for none, and takes no
+    argument for the difference (the backbone's BatchNorm frozen as FrozenBatchNorm2d, its
+    first layers without gradients, SSDlite's backbone with or without its reduced tail, which
+    differ again between the whole detector's weights and the backbone's). For the whole
+    detector's `weights`, the builder is told they have `classes` categories, so it builds
+    their model with the run's head (it refuses any other class count for them)."""
+    from torch import nn
+    from torchvision.models import WeightsEnum
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(WeightsEnum, "get_state_dict",
+                                              lambda self, *a, **k: {}))
+        stack.enter_context(mock.patch.object(nn.Module, "load_state_dict",
+                                              lambda self, *a, **k: None))
+        if weights is not None:
+            stack.enter_context(mock.patch.dict(weights.meta,
+                                                {"categories": [None] * classes}))
+        yield
 
 
 def _threshold_arguments(name: str, score_threshold: float, detections_per_image: int

@@ -18,6 +18,11 @@ more than load a state dict: DenseNet's builder renames its file's old keys, Goo
 its auxiliary heads. The model labrun builds for them takes the constructor arguments their
 builder passes (`torchvision_arguments`: GoogLeNet's and Inception's transform_input, a SWAG
 ViT's image size), so that `labrun export` and `eval` rebuild it from the run's config alone.
+
+A detector (model=torchvision_det) takes either the whole detector's weights (`model.pretrained`,
+COCO's) or its backbone's alone (`model.weights_backbone`, ImageNet's), as torchvision's
+detection builders do; both are read by the builder, and the detector is built as the builder
+builds it for trained weights (models/detection.py).
 """
 
 from __future__ import annotations
@@ -47,8 +52,12 @@ HASH_IN_NAME = re.compile(r"-([a-f0-9]*)\.")
 # What timm stores on the Hugging Face hub, in the order timm's own loader tries them.
 HF_FILES = ("model.safetensors", "pytorch_model.bin")
 SEGMENTATION = "labrun.models.segmentation.torchvision_seg_model"  # torchvision's, by name
+DETECTION = "labrun.models.detection.torchvision_det_model"
 LIBRARIES = {"labrun.models.torchvision_model": "torchvision", "labrun.models.timm_model": "timm",
-             SEGMENTATION: "torchvision"}
+             SEGMENTATION: "torchvision", DETECTION: "torchvision"}
+# torchvision's kind of model each target builds, and the config group that names it.
+KINDS = {SEGMENTATION: ("segmentation", "torchvision_seg"),
+         DETECTION: ("detection", "torchvision_det")}
 
 
 @dataclass
@@ -64,6 +73,7 @@ class Weights:
     hash_prefix: str | None = None  # torchvision's published sha256 prefix
     hf_repo: str | None = None  # timm on the Hugging Face hub: timm/resnet18.a1_in1k
     candidates: list[Path] = field(default_factory=list)
+    key: str = "pretrained"  # the model key that asks for them: weights_backbone, a backbone's
 
     @property
     def label(self) -> str:
@@ -74,7 +84,19 @@ class Weights:
 
 
 def asked_for(model_cfg: Any) -> bool:
-    return bool(model_cfg.get("pretrained", False))
+    return bool(model_cfg.get("pretrained", False) or model_cfg.get("weights_backbone", False))
+
+
+def asked(model_cfg: Any) -> tuple[str, Any]:
+    """The key that asks for a library's weights and its value: model.pretrained, or a
+    detector's model.weights_backbone (its backbone's alone)."""
+    if model_cfg.get("pretrained", False) and model_cfg.get("weights_backbone", False):
+        raise ConfigError(f"model.pretrained={override_text(model_cfg.pretrained)} and "
+                          f"model.weights_backbone={override_text(model_cfg.weights_backbone)}: "
+                          f"the detector's weights hold its backbone's; keep one")
+    if model_cfg.get("weights_backbone", False):
+        return "weights_backbone", model_cfg.weights_backbone
+    return "pretrained", model_cfg.get("pretrained", False)
 
 
 def library_of(model_cfg: Any) -> str | None:
@@ -85,53 +107,79 @@ def resolve(model_cfg: Any, weights_cache: str | None) -> Weights:
     """The weights `model.pretrained` names for `model.name`, with the files they may be in.
     An unknown model or weights name raises ConfigError with the closest names."""
     library = library_of(model_cfg)
+    key, value = asked(model_cfg)
     if library is None:
-        raise ConfigError(f"model.pretrained={override_text(model_cfg.pretrained)}: only torchvision and timm "
+        raise ConfigError(f"model.{key}={override_text(value)}: only torchvision and timm "
                           f"models have pretrained weights here (model={model_cfg._target_}); "
                           f"start from a file with model.init_from=PATH instead")
     caches = [Path(weights_cache).expanduser()] if weights_cache else []
+    kind = KINDS.get(model_cfg._target_, ("classification",))[0]
+    if key == "weights_backbone":
+        if kind != "detection":
+            raise ConfigError(f"model.weights_backbone={override_text(value)}: only a "
+                              f"detector's backbone has weights of its own; use "
+                              f"model.pretrained")
+        return _torchvision(model_cfg.name, value, caches, kind, backbone=True)
     if library == "torchvision":
-        return _torchvision(model_cfg.name, model_cfg.pretrained, caches,
-                            segmentation=model_cfg._target_ == SEGMENTATION)
-    return _timm(model_cfg.name, model_cfg.pretrained, caches)
+        return _torchvision(model_cfg.name, value, caches, kind)
+    return _timm(model_cfg.name, value, caches)
 
 
-def torchvision_weights(name: str, pretrained: bool | str, segmentation: bool = False) -> Any:
+def torchvision_weights(name: str, pretrained: bool | str, kind: str = "classification",
+                        backbone: bool = False) -> Any:
     """The member of torchvision's weights enum that `model.pretrained` names for `model.name`
-    (ResNet50_Weights.IMAGENET1K_V2); an unknown model or weights name raises ConfigError with
-    the closest names."""
+    (ResNet50_Weights.IMAGENET1K_V2), or with `backbone` that a detector's
+    `model.weights_backbone` names for its backbone; an unknown model or weights name raises
+    ConfigError with the closest names."""
     import torchvision
 
     # list_models(module=torchvision.models) holds the classifiers only, not the segmentation
-    # models of its submodule, whose weights get_model_weights finds all the same.
-    module, kind = ((torchvision.models.segmentation, "segmentation") if segmentation
-                    else (torchvision.models, "classification"))
+    # and detection models of its submodules, whose weights get_model_weights finds all the same.
+    module = getattr(torchvision.models, kind) if kind != "classification" else torchvision.models
     if name not in torchvision.models.list_models(module=module):
         raise ConfigError(f"model.name={name} is not a torchvision {kind} model; "
                           f"{_closest(name, torchvision.models.list_models(module=module))}")
-    enum = torchvision.models.get_model_weights(name)
+    key = "weights_backbone" if backbone else "pretrained"
+    enum, default = (backbone_weights(name) if backbone
+                     else (torchvision.models.get_model_weights(name), None))
     tag = str(pretrained).split(".")[-1]  # IMAGENET1K_V2, or ResNet50_Weights.IMAGENET1K_V2
     if pretrained is True:
-        return enum.DEFAULT
+        return default or enum.DEFAULT
     if tag in enum.__members__:
         return enum[tag]
-    raise ConfigError(f"model.pretrained={pretrained}: {name} has no such weights; "
+    raise ConfigError(f"model.{key}={pretrained}: {name} has no such weights; "
                       f"{_closest(tag, [w for w in enum.__members__ if w != 'DEFAULT'])}, "
-                      f"or true for DEFAULT")
+                      f"or true for {(default or enum.DEFAULT).name}")
+
+
+def backbone_weights(name: str) -> tuple[Any, Any]:
+    """The weights enum of detector `name`'s backbone (ResNet50_Weights), read from its
+    builder's signature, and the member its builder defaults to (None for the v2 builders,
+    whose default is no backbone weights: true then means the enum's DEFAULT)."""
+    import inspect
+    import typing
+
+    import torchvision
+
+    parameter = inspect.signature(torchvision.models.get_model_builder(name)
+                                  ).parameters["weights_backbone"]
+    enum = next(a for a in typing.get_args(parameter.annotation) if a is not type(None))
+    return enum, parameter.default
 
 
 def _torchvision(name: str, pretrained: bool | str, caches: list[Path],
-                 segmentation: bool = False) -> Weights:
+                 kind: str = "classification", backbone: bool = False) -> Weights:
     import torch
 
-    chosen = torchvision_weights(name, pretrained, segmentation)
+    chosen = torchvision_weights(name, pretrained, kind, backbone)
     filename = Path(urlparse(chosen.url).path).name
     hub = Path(torch.hub.get_dir())  # $TORCH_HOME/hub
     found = HASH_IN_NAME.search(filename)
     return Weights("torchvision", f"{type(chosen).__name__}.{chosen.name}", name, chosen.url,
                    len(chosen.meta["categories"]), hash_prefix=found.group(1) if found else None,
                    candidates=[*(c / "hub" / "checkpoints" / filename for c in caches),
-                               hub / "checkpoints" / filename])
+                               hub / "checkpoints" / filename],
+                   key="weights_backbone" if backbone else "pretrained")
 
 
 def _timm(name: str, pretrained: bool | str, caches: list[Path]) -> Weights:
@@ -197,15 +245,17 @@ def locate(model_cfg: Any, weights_cache: str | None) -> tuple[Weights, Path | N
     weights = resolve(model_cfg, weights_cache)
     found = weights.find()
     if found is None and not model_cfg.get("download", False):
-        asked = override_text(model_cfg.pretrained)
+        key, value = asked(model_cfg)
+        value = override_text(value)
         others = len(weights.candidates) - 1
-        # The config group that names the model: torchvision's segmentation models have their own.
-        group = "torchvision_seg" if model_cfg.get("_target_") == SEGMENTATION else weights.library
+        # The config group that names the model: torchvision's segmentation and detection models
+        # have their own.
+        group = KINDS.get(model_cfg.get("_target_"), (None, weights.library))[1]
         raise ConfigError(
-            f"model.pretrained={asked}: no {weights.label} weights in the weights cache (looked "
+            f"model.{key}={value}: no {weights.label} weights in the weights cache (looked "
             f"for {weights.candidates[0]}{f' and {others} more places' if others else ''}); "
             f"fetch them on a machine with internet: labrun weights fetch "
-            f"model={group} model.name={weights.model} model.pretrained={asked}"
+            f"model={group} model.name={weights.model} model.{key}={value}"
             f"{f' paths.weights_cache={weights_cache}' if weights_cache else ''} "
             f"(or set model.download=true where this machine has internet)")
     return weights, found
@@ -263,10 +313,12 @@ def load_torchvision(weights: Weights, path: Path, meta: bool = False) -> nn.Mod
                 stack.enter_context(serialization.patch({"load.mmap": True}))
             stack.enter_context(warnings.catch_warnings())  # one per tensor, for a no-op copy
             warnings.filterwarnings("ignore", r"for .*: copying from a non-meta parameter")
+        chosen = torchvision.models.get_weight(weights.name)
+        # A detector's backbone weights: the detector its builder makes around them.
+        asking = ({"weights": None, "weights_backbone": chosen}
+                  if weights.key == "weights_backbone" else {"weights": chosen})
         try:
-            return torchvision.models.get_model(
-                weights.model, weights=torchvision.models.get_weight(weights.name),
-                progress=False)
+            return torchvision.models.get_model(weights.model, progress=False, **asking)
         except Exception as error:  # whatever the builder's load raises: the file does not fit
             raise ConfigError(f"{weights.label} ({path}): torchvision's {weights.model} builder "
                               f"cannot load them: {_reason(error)}; is the file another "

@@ -53,13 +53,19 @@ class Detection:
     def check_config(cls, cfg: DictConfig) -> None:
         from labrun.core.errors import ConfigError
         from labrun.models import detection
+        from labrun.train import fine_tune_keys
 
         detection.check(cfg.model)
         if not is_detection_dataset(cfg.dataset):
             raise ConfigError(f"task=detection needs a dataset of boxes (dataset=coco, yolo, "
                               f"shapes_boxes, det_hdf5); dataset {cfg.dataset.get('name')} has "
                               f"{'masks' if 'ignore_index' in cfg.dataset else 'a label per image'}")
+        if fine_tune_keys.asked(cfg):  # as Classification checks them: fine_tuning.py
+            from labrun.train import fine_tuning
 
+            info = {"class_names": ["a", "b"], "image_size": cfg.dataset.image_size}
+            fine_tuning.check(cfg, lambda: cls().build_model(cfg.model, info),
+                              len(info["class_names"]))
 
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:

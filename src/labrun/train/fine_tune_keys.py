@@ -12,5 +12,6 @@ from omegaconf import DictConfig
 def asked(cfg: DictConfig) -> bool:
     model, optimizer = cfg.model, cfg.optimizer
     # model.pretrained as models/pretrained.asked_for reads it (that module imports torch).
-    return bool(model.get("pretrained", False) or model.get("init_from") or model.get("freeze")
+    return bool(model.get("pretrained", False) or model.get("weights_backbone", False)
+                or model.get("init_from") or model.get("freeze")
                 or optimizer.get("groups") or optimizer.get("backbone_lr_mult") is not None)

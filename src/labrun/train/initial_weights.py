@@ -40,9 +40,11 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 # with model.aux_loss=true), GoogLeNet's and Inception v3's (labrun's classifiers have none:
 # models.AUX_LOGITS).
 AUX_HEADS = ("aux_classifier", "aux1", "aux2", "AuxLogits")
-# Module settings that differ from the builder's model by labrun's choice: Inception v3's
-# builder keeps its auxiliary classifier, whose switch this is.
-OWN_SETTINGS = ("aux_logits",)
+# Module settings (their last name) that differ from the builder's model by labrun's choice:
+# Inception v3's builder keeps its auxiliary classifier, whose switch aux_logits is; a detector
+# sees the data's image size (its transform's), and keeps the answers its evaluation asks for.
+OWN_SETTINGS = ("aux_logits", "min_size", "max_size", "fixed_size", "score_thresh",
+                "detections_per_img")
 
 
 @dataclass
@@ -71,7 +73,7 @@ def source(cfg: DictConfig) -> Source | None:
         weights, found = pretrained.locate(model_cfg, cfg.paths.get("weights_cache"))
         if found is None:
             found = pretrained.download(weights, cfg.paths.get("weights_cache"))
-        return Source("model.pretrained", weights.label, found, weights)
+        return Source(f"model.{weights.key}", weights.label, found, weights)
     if init_from:
         return Source("model.init_from", f"file {Path(init_from).name}", Path(init_from))
     return None
@@ -79,7 +81,8 @@ def source(cfg: DictConfig) -> Source | None:
 
 def _one_source(model_cfg: DictConfig) -> None:
     if pretrained.asked_for(model_cfg) and model_cfg.get("init_from"):
-        raise ConfigError(f"model.pretrained={pretrained.override_text(model_cfg.pretrained)} and model.init_from="
+        key, value = pretrained.asked(model_cfg)
+        raise ConfigError(f"model.{key}={pretrained.override_text(value)} and model.init_from="
                           f"{model_cfg.init_from} both set the starting weights; keep one")
 
 
@@ -216,7 +219,8 @@ def check(cfg: DictConfig, model: nn.Module, num_classes: int | None) -> None:
         weights, found = pretrained.locate(model_cfg, cfg.paths.get("weights_cache"))
         if found is None or weights.library != "torchvision":
             return  # fetched when the run starts (model.download=true); timm's read as they are
-        where = f"model.pretrained={pretrained.override_text(model_cfg.pretrained)}: {found}"
+        key, value = pretrained.asked(model_cfg)
+        where = f"model.{key}={pretrained.override_text(value)}: {found}"
         theirs = pretrained.load_torchvision(weights, found, meta=True)
         their_shapes = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
     elif init_from:
@@ -245,7 +249,7 @@ def _same_settings(model_cfg: DictConfig, model: nn.Module, theirs: nn.Module,
     ours, by_count, builders = (_settings(m) for m in (model, other, theirs))
     for key, value in ours.items():
         if (key in builders and builders[key] != value and by_count.get(key) == value
-                and key not in OWN_SETTINGS):
+                and key.rsplit(".", 1)[-1] not in OWN_SETTINGS):
             raise ConfigError(f"{where}: torchvision's builder sets {key}={builders[key]!r} for "
                               f"these weights, labrun's model has {value!r}: labrun does not "
                               f"pass this builder's arguments (models/pretrained.py, "
