@@ -158,6 +158,32 @@ def test_a_segmentation_grid_runs_on_the_cluster_and_compare_ranks_it_by_mean_io
     assert shown == pytest.approx(sorted(best.values(), reverse=True), abs=1e-4)
 
 
+def test_a_detection_grid_runs_on_the_cluster_and_compare_ranks_it_by_map(tmp_path):
+    """task=detection's jobs (FCOS on dataset=shapes_boxes at 64 px, mosaic off for the last
+    epoch): judged by val/map, the task's own monitor, without naming it; each job's
+    checkpoint carries the mosaic switch its run fixed."""
+    result = run_sweep(tmp_path, "experiment=det_shapes", "dataset.image_size=64",
+                       "dataset.num_train=32", "dataset.num_val=8", "trainer.batch_size=8",
+                       "trainer.max_epochs=2", "dataset.augment.close_mosaic=1",
+                       "optimizer.lr=0.001,0.003")
+    assert result.returncode == 0, result.stdout + result.stderr
+    best = {}
+    for num in ("0", "1"):
+        summary = read_summary(tmp_path / num)
+        assert (summary["status"], summary["step"], summary["monitor"]) == (
+            "completed", 8, "val/map")
+        best[num] = summary["best/val/map"]
+        last = torch.load(tmp_path / num / "checkpoints" / "last.pt", weights_only=True)
+        assert last["data"]["schedule"] == {"mosaic_off_from": 1}
+    out = tmp_path / "runs.csv"
+    subprocess.run([LABRUN, "compare", str(tmp_path), "--csv", str(out)], check=True,
+                   capture_output=True)
+    rows = out.read_text().splitlines()
+    column = rows[0].split(",").index("best val/map")
+    shown = [float(row.split(",")[column]) for row in rows[1:]]
+    assert shown == pytest.approx(sorted(best.values(), reverse=True), abs=1e-4)
+
+
 def test_two_task_ddp_job_trains_and_only_rank_0_writes(tmp_path):
     """A sweep over trainer.devices: each job gets its own tasks per node (two arrays)."""
     result = run_sweep(tmp_path, "trainer.devices=1,2", "trainer.max_epochs=1",

@@ -147,6 +147,16 @@ def test_each_loss_of_the_detector_is_logged_and_they_add_up_to_the_loss(det_run
     assert all(row["perf/images_per_s"] > 0 for row in rows)  # `labrun status` reads it
 
 
+def test_status_shows_a_detectors_rate_in_images(det_run, capsys):
+    from labrun import cli
+
+    assert cli.main(["status", str(det_run), "--json"]) == 0
+    (job,) = json.loads(capsys.readouterr().out)["jobs"]
+    logged = [m["perf/images_per_s"] for m in read_metrics(det_run) if "perf/images_per_s" in m]
+    assert job["unit"] == "img/s" and job["verdict"] != "no data yet"
+    assert min(logged) <= job["rate"] <= max(logged)  # its steady windows' images/s
+
+
 def test_eval_in_two_processes_gives_the_same_map_as_one(det_run):
     """Every rank's detections gathered in image order: best.pt on val, four images a forward
     pass on both sides (so each image sees the same arithmetic), in one process and in two,

@@ -11,6 +11,13 @@ nor an epoch's end) must make none: in fp32 and bf16, in one process and in two 
 the ranks agree on stop signals every few steps, at log points here), with gradient clipping,
 and in fp16, whose GradScaler checks for infinities with a sync of its own every step (the
 precision's need, counted apart: torch's code, one a step at most).
+
+A detector synchronises inside its own code, where no wrapped method sees it: torchvision's
+FCOS matches boxes with boolean masks and `nonzero`, reads its foreground count, and runs NMS,
+all in C++ ops whose output shape the host must read. For task=detection the callback also counts
+those ops per step, at the dispatcher (a TorchDispatchMode over each step), by the first caller
+outside torch: the figure every step pays on a GPU, stated as it is rather than hidden by a
+counter that only sees labrun's frames.
 """
 
 from __future__ import annotations
@@ -27,11 +34,20 @@ import json, sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import labrun
 from labrun.train.callbacks import Callback
 
 LABRUN = str(Path(labrun.__file__).parent)
+TORCH = str(Path(torch.__file__).parent) + "/"  # the slash: torchvision's folder is beside it
+HERE = __file__
+# Ops whose result the host must read on a GPU (CUDA's sync debug mode flags each): a scalar
+# read, and outputs whose shape depends on the values (masks, nonzero, unique, NMS).
+WAITING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_consecutive",
+               "_unique2", "unique_dim", "repeat_interleave", "bincount", "is_nonzero",
+               "equal", "nms"}
+BOOL_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}
 # The data pipeline works on host tensors (the epoch's sample order, the uint8 batches) before
 # a batch moves to the device: no call there waits for a GPU, whatever the run's device.
 HOST_DATA = str(Path(labrun.__file__).parent / "data")
@@ -44,9 +60,11 @@ class CountHostSyncs(Callback):
     """Counts per step: from the start of one Trainer.train_step to the start of the next, so
     that a step's count holds all its work (its log point, checkpoint and stop check too)."""
 
-    def __init__(self, out):
+    def __init__(self, out, ops=False):
         self.out, self.step, self.calls, self.sites, self.per_step = out, 0, 0, {}, {}
         self.scaler_calls, self.scaler_per_step = 0, {}
+        self.ops = CountWaitingOps() if ops else None  # per step: {caller: count}
+        self.ops_per_step = {}
 
     def on_fit_start(self, trainer):
         for name in METHODS:
@@ -67,13 +85,19 @@ class CountHostSyncs(Callback):
         def counted_step(*args):
             self._close_step()
             self.step += 1
-            return train_step(*args)
+            if self.ops is None:
+                return train_step(*args)
+            with self.ops:
+                return train_step(*args)
         trainer.train_step = counted_step
 
     def _close_step(self):
         if self.step:
             self.per_step[self.step] = self.calls
             self.scaler_per_step[self.step] = self.scaler_calls
+            if self.ops is not None:
+                self.ops_per_step[self.step] = dict(self.ops.found)
+                self.ops.found.clear()
         self.calls = self.scaler_calls = 0
 
     def _count(self, caller):
@@ -94,9 +118,39 @@ class CountHostSyncs(Callback):
         self._close_step()
         Path(f"{self.out}.rank{trainer.dist.rank}").write_text(json.dumps(
             {"per_step": self.per_step, "sites": self.sites, "status": status,
-             "scaler_per_step": self.scaler_per_step,
+             "scaler_per_step": self.scaler_per_step, "ops_per_step": self.ops_per_step,
              "log_every": trainer.cfg.trainer.log_every_n_steps,
              "steps_per_epoch": trainer.steps_per_epoch}))
+
+
+class CountWaitingOps(TorchDispatchMode):
+    """Counts the ops in WAITING_OPS (and indexing by a boolean mask) by who called them: the
+    first frame outside torch (and this file), as `train/...py:LINE` (labrun's) or
+    `torchvision/...py:LINE`; or `backward` for the gradients' ops, which autograd's engine runs
+    for the forward's own (the backward of a boolean index is indexed by that mask too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name in WAITING_OPS or (name in BOOL_INDEXED and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple))
+                          else ()))):
+            frame, backward = sys._getframe(1), False
+            while frame is not None and (frame.f_code.co_filename.startswith(TORCH)
+                                         or frame.f_code.co_filename == HERE):
+                backward |= frame.f_code.co_filename.startswith(TORCH + "autograd/")
+                frame = frame.f_back
+            where = "?" if frame is None else frame.f_code.co_filename
+            for root in (LABRUN, str(Path(TORCH).parent)):
+                where = where.removeprefix(root.rstrip("/") + "/")
+            site = (f"backward {name}" if backward
+                    else f"{where}:{frame.f_lineno if frame else 0} {name}")
+            self.found[site] = self.found.get(site, 0) + 1
+        return func(*args, **(kwargs or {}))
 '''
 
 # 12 steps, a log point every 5: steps 1-4, 6-9 and 11 are between log points.
@@ -151,3 +205,39 @@ def test_no_host_sync_between_log_points(tmp_path, precision, devices, extra):
         scaler = {step: found["scaler_per_step"][str(step)] for step in between}
         print(f"rank {rank}: the scaler's own syncs per step {found['scaler_per_step']}")
         assert set(scaler.values()) == ({1} if precision == "fp16" else {0}), scaler
+
+
+# task=detection: FCOS at 64 px on dataset=shapes_boxes, 12 steps of 8 images.
+DETECTION = ["experiment=det_shapes", "dataset.image_size=64", "dataset.num_train=96",
+             "dataset.num_val=8", "trainer.batch_size=8"]
+
+
+def test_a_detectors_own_host_syncs_are_counted_and_labrun_adds_none(tmp_path):
+    """labrun's frames make no host sync between log points, as for every task; the detector's
+    own (torchvision's FCOS: its loss's box matching and foreground count) are counted at the
+    dispatcher, every step, and all of them come from torchvision's code."""
+    (tmp_path / "synccount.py").write_text(COUNTER)
+    out = tmp_path / "syncs.json"
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run_train(*STEPS, *DETECTION, "+callbacks.syncs._target_=synccount.CountHostSyncs",
+              f"+callbacks.syncs.out={out}", "+callbacks.syncs.ops=true",
+              run_dir=tmp_path / "run", env=env)
+    found = json.loads((tmp_path / "syncs.json.rank0").read_text())
+    assert found["status"] == "completed"
+    between = [step for step in range(1, 13)
+               if step % found["log_every"] and step % found["steps_per_epoch"]]
+    sites = {step: found["sites"].get(str(step)) for step in between
+             if found["per_step"][str(step)]}
+    assert not sites, f"labrun's host syncs between log points: {sites}"
+    ops = {step: found["ops_per_step"][str(step)] for step in between}
+    print("waiting ops per step between log points, by caller:")
+    for step, calls in ops.items():
+        print(f"  step {step}: {sum(calls.values())}  {calls}")
+    ours = {step: [site for site in calls if not site.startswith(("torchvision/", "backward "))]
+            for step, calls in ops.items()}
+    assert not any(ours.values()), f"waiting ops outside torchvision's code: {ours}"
+    # The detector's own: every step waits on the host, some 4 times an image (its transform's
+    # and its box matching's, fewer for an image with nothing to match) and 19 a batch (its
+    # loss's masks and foreground count, 7 of them in the backward): 50 or 51 at 8 images.
+    totals = [sum(calls.values()) for calls in ops.values()]
+    assert min(totals) > 0, ops
