@@ -3,8 +3,8 @@ to its goal -> one table of every figure, its baseline, floor, goal and the runs
 floor -> exit status and one line per broken floor.
 
 The figures are injected here (the real benchmarks take minutes and their numbers depend on the
-machine); the smoke runs in test_data_bench.py, test_seg_data.py, test_serve_bench.py,
-test_dashboard.py and test_sweep_scale.py measure for real.
+machine); the smoke runs in test_data_bench.py, test_seg_data.py, test_det_bench.py,
+test_serve_bench.py, test_dashboard.py and test_sweep_scale.py measure for real.
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ from labrun import cli
 from labrun.bench import BENCHES, Target, judge, report
 from labrun.bench import dashboard as bench_dashboard
 from labrun.bench import data as bench_data
+from labrun.bench import det_data as bench_det_data
+from labrun.bench import det_map as bench_det_map
 from labrun.bench import seg_data as bench_seg_data
 from labrun.bench import serve as bench_serve
 from labrun.bench import sweep as bench_sweep
 from labrun.bench import trainer as bench_trainer
 from labrun.bench.dashboard import DASHBOARD_TARGETS
 from labrun.bench.data import DATA_TARGETS, FEEDS_TARGET
+from labrun.bench.det_data import DET_DATA_TARGETS
+from labrun.bench.det_map import DET_MAP_TARGETS
 from labrun.bench.seg_data import SEG_DATA_TARGETS
 from labrun.bench.serve import SERVE_TARGETS, serve_targets, serving_bound
 from labrun.bench.sweep import SWEEP_TARGETS
@@ -43,6 +47,8 @@ BETTER = {
     "data of_ceiling": HIGHER,                      # hdf5 images/s over the per-sample ceiling
     "data feeds_resnet50": HIGHER,                  # hdf5 images/s over ResNet-50's on a GPU
     "seg-data speedup": HIGHER,                     # segfolder pairs/s over torchvision v2's
+    "det-data speedup": HIGHER,                     # yolo folder images/s over torchvision v2's
+    "det-map speedup": HIGHER,                      # pycocotools' seconds over labrun's
     "trainer ratio": HIGHER,                        # Trainer images/s over a bare loop's
     "trainer lm_ratio": HIGHER,                     # Trainer tokens/s over nanoGPT's loop's
     "startup startup_ratio": LOWER,                 # seconds to the first step over the import's
@@ -64,6 +70,8 @@ BETTER = {
 EVERY_TARGET: dict[str, tuple[Target, ...]] = {
     "data": (*DATA_TARGETS, FEEDS_TARGET),
     "seg-data": tuple(SEG_DATA_TARGETS),
+    "det-data": tuple(DET_DATA_TARGETS),
+    "det-map": tuple(DET_MAP_TARGETS),
     "trainer": tuple(TRAINER_TARGETS),
     "startup": tuple(STARTUP_TARGETS),
     "serve": serve_targets("cuda"),
@@ -360,6 +368,8 @@ def fake_benchmarks(monkeypatch, broken: tuple[str, str] | None = None,
 
     monkeypatch.setattr(bench_data, "run_data", run("data"))
     monkeypatch.setattr(bench_seg_data, "run_seg_data", run("seg-data"))
+    monkeypatch.setattr(bench_det_data, "run_det_data", run("det-data"))
+    monkeypatch.setattr(bench_det_map, "run_det_map", run("det-map"))
     monkeypatch.setattr(bench_trainer, "run_trainer", run("trainer"))
     monkeypatch.setattr(bench_trainer, "run_startup", run("startup"))
     monkeypatch.setattr(bench_serve, "run", run("serve"))

@@ -2,6 +2,9 @@
 
     labrun bench data [--root DIR] [--images N] [--json FILE] [--check]
     labrun bench seg-data [--images N]  segmentation pairs: labrun vs torchvision v2 (seg_data.py)
+    labrun bench det-data [--images N]  detection images with boxes: labrun vs torchvision v2
+                                      (det_data.py)
+    labrun bench det-map [--images N]   COCO mAP: labrun's evaluator vs pycocotools (det_map.py)
     labrun bench trainer | startup | serve      (trainer.py, serve.py)
     labrun bench sweep [--jobs N]     submitting a held SLURM sweep (sweep.py)
     labrun bench dashboard [--runs N] compare and dashboard on N synthetic runs (dashboard.py)
@@ -55,6 +58,12 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "seg-data": ("labrun.bench.seg_data", "_seg_data",
                  "segmentation data loading: torchvision v2 on (Image, Mask) vs labrun "
                  "segfolder, seg_hdf5 beside it"),
+    "det-data": ("labrun.bench.det_data", "_det_data",
+                 "detection data loading: torchvision v2 on (Image, BoundingBoxes) vs labrun "
+                 "yolo folder (no mosaic), det_hdf5 beside it"),
+    "det-map": ("labrun.bench.det_map", "_det_map",
+                "COCO box mAP of the same detections: labrun's evaluator (faster-coco-eval) vs "
+                "pycocotools' COCOeval"),
     "trainer": ("labrun.bench.trainer", "_trainer",
                 "Trainer vs a bare PyTorch loop on the same batches"),
     "startup": ("labrun.bench.trainer", "_startup",
