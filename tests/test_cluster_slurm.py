@@ -136,6 +136,17 @@ def test_three_job_sweep_is_one_array_and_runs_the_snapshot(tmp_path, python_doc
     assert result.stdout.count("completed") >= 3
 
 
+def assert_compare_ranks(sweep_dir: Path, column: str, best) -> None:
+    """`labrun compare` lists the sweep's jobs by their best figure, highest first."""
+    out = sweep_dir / "runs.csv"
+    subprocess.run([LABRUN, "compare", str(sweep_dir), "--csv", str(out)], check=True,
+                   capture_output=True)
+    rows = out.read_text().splitlines()
+    index = rows[0].split(",").index(column)
+    shown = [float(row.split(",")[index]) for row in rows[1:]]
+    assert shown == pytest.approx(sorted(best, reverse=True), abs=1e-4)
+
+
 def test_a_segmentation_grid_runs_on_the_cluster_and_compare_ranks_it_by_mean_iou(tmp_path):
     """task=segmentation's jobs (a tiny U-Net on dataset=shapes): judged by val/miou, the
     task's own monitor, without naming it."""
@@ -149,13 +160,7 @@ def test_a_segmentation_grid_runs_on_the_cluster_and_compare_ranks_it_by_mean_io
         assert (summary["status"], summary["step"], summary["monitor"]) == (
             "completed", 8, "val/miou")
         best[num] = summary["best/val/miou"]
-    out = tmp_path / "runs.csv"
-    subprocess.run([LABRUN, "compare", str(tmp_path), "--csv", str(out)], check=True,
-                   capture_output=True)
-    rows = out.read_text().splitlines()
-    column = rows[0].split(",").index("best val/miou")
-    shown = [float(row.split(",")[column]) for row in rows[1:]]
-    assert shown == pytest.approx(sorted(best.values(), reverse=True), abs=1e-4)
+    assert_compare_ranks(tmp_path, "best val/miou", best.values())
 
 
 def test_a_detection_grid_runs_on_the_cluster_and_compare_ranks_it_by_map(tmp_path):
@@ -175,13 +180,7 @@ def test_a_detection_grid_runs_on_the_cluster_and_compare_ranks_it_by_map(tmp_pa
         best[num] = summary["best/val/map"]
         last = torch.load(tmp_path / num / "checkpoints" / "last.pt", weights_only=True)
         assert last["data"]["schedule"] == {"mosaic_off_from": 1}
-    out = tmp_path / "runs.csv"
-    subprocess.run([LABRUN, "compare", str(tmp_path), "--csv", str(out)], check=True,
-                   capture_output=True)
-    rows = out.read_text().splitlines()
-    column = rows[0].split(",").index("best val/map")
-    shown = [float(row.split(",")[column]) for row in rows[1:]]
-    assert shown == pytest.approx(sorted(best.values(), reverse=True), abs=1e-4)
+    assert_compare_ranks(tmp_path, "best val/map", best.values())
 
 
 def test_two_task_ddp_job_trains_and_only_rank_0_writes(tmp_path):

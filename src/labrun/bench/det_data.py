@@ -51,7 +51,8 @@ from pathlib import Path
 import numpy as np
 
 from labrun.bench import write_json
-from labrun.bench.data import measure_loader, photo_like
+from labrun.bench.data import photo_like
+from labrun.bench.pipelines import print_results, race, with_ratios
 from labrun.bench.targets import Target, Verdict, judge
 from labrun.core.errors import LabrunError
 from labrun.data.image.convert import cpu_count
@@ -149,35 +150,16 @@ def run_det_data(args: argparse.Namespace) -> list[Verdict]:
                   f"batches of {args.batch_size}, {args.workers} workers, {cpu_count()} cores, "
                   f"best of {args.rounds} round(s); both loaders: "
                   f"{', '.join(f'{k}={v}' for k, v in settings.items())}", highlight=False)
-    results = dict.fromkeys(pipelines, 0.0)
-    for round_number in range(args.rounds):
-        for name, make_loader in pipelines.items():
-            results[name] = max(results[name], measure_loader(make_loader, None, args.seconds))
-            log.info(f"  round {round_number + 1}: {name:<12} {results[name]:8.0f} "
-                     f"images/s (best so far)")
-    results["speedup"] = results["yolo"] / results["torchvision"]
-    results["hdf5_speedup"] = results["det_hdf5"] / results["torchvision"]
-    print_results(console, results)
+    results = with_ratios(race(pipelines, args.rounds, args.seconds), "yolo", "det_hdf5")
+    print_results(console, results, "images/s (images with their boxes)", ROWS)
     write_json(args.json, {k: round(v, 3) for k, v in results.items()})
     return judge("det-data", results, DET_DATA_TARGETS)
 
 
-def print_results(console, results: dict[str, float]) -> None:
-    from rich.table import Table
-
-    table = Table(title="images/s (images with their boxes)", title_justify="left")
-    table.add_column("pipeline")
-    table.add_column("images/s", justify="right")
-    rows = {"torchvision": "1 torchvision: decode_jpeg + v2 transforms on Image and "
-                           "BoundingBoxes",
-            "yolo": "2 labrun yolo folder + turbojpeg (mosaic off)",
-            "det_hdf5": "3 labrun det_hdf5 + turbojpeg (window only, mosaic off)"}
-    for key, label in rows.items():
-        table.add_row(label, f"{results[key]:.0f}")
-    console.print(table)
-    console.print(f"speedup      (2/1): {results['speedup']:.2f}\n"
-                  f"hdf5_speedup (3/1): {results['hdf5_speedup']:.2f}  (reported; no target)",
-                  highlight=False)
+# The table's rows: each pipeline's label.
+ROWS = {"torchvision": "1 torchvision: decode_jpeg + v2 transforms on Image and BoundingBoxes",
+        "yolo": "2 labrun yolo folder + turbojpeg (mosaic off)",
+        "det_hdf5": "3 labrun det_hdf5 + turbojpeg (window only, mosaic off)"}
 
 
 def labrun_det_data(dataset: dict, args: argparse.Namespace):

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from labrun.bench import write_json
-from labrun.bench.data import measure_loader, photo_like
+from labrun.bench.data import photo_like
+from labrun.bench.pipelines import print_results, race, with_ratios
 from labrun.bench.targets import Target, Verdict, judge
 from labrun.core.errors import LabrunError
 from labrun.data.image.convert import cpu_count
@@ -125,35 +126,16 @@ def run_seg_data(args: argparse.Namespace) -> list[Verdict]:
                   f"mask, uint8 batches of {args.batch_size}, {args.workers} workers, "
                   f"{cpu_count()} cores, best of {args.rounds} round(s); both loaders: "
                   f"{', '.join(f'{k}={v}' for k, v in settings.items())}", highlight=False)
-    results = dict.fromkeys(pipelines, 0.0)
-    for round_number in range(args.rounds):
-        for name, make_loader in pipelines.items():
-            results[name] = max(results[name], measure_loader(make_loader, None, args.seconds))
-            log.info(f"  round {round_number + 1}: {name:<12} {results[name]:8.0f} "
-                     f"images/s (best so far)")
-    results["speedup"] = results["segfolder"] / results["torchvision"]
-    results["hdf5_speedup"] = results["seg_hdf5"] / results["torchvision"]
-    print_results(console, results)
+    results = with_ratios(race(pipelines, args.rounds, args.seconds), "segfolder", "seg_hdf5")
+    print_results(console, results, "images/s (image and mask pairs)", ROWS)
     write_json(args.json, {k: round(v, 3) for k, v in results.items()})
     return judge("seg-data", results, SEG_DATA_TARGETS)
 
 
-def print_results(console, results: dict[str, float]) -> None:
-    from rich.table import Table
-
-    table = Table(title="images/s (image and mask pairs)", title_justify="left")
-    table.add_column("pipeline")
-    table.add_column("images/s", justify="right")
-    rows = {"torchvision": "1 torchvision: decode_jpeg/decode_png + v2 transforms on "
-                           "Image and Mask",
-            "segfolder": "2 labrun segfolder + turbojpeg (crop region only)",
-            "seg_hdf5": "3 labrun seg_hdf5 + turbojpeg (crop region only)"}
-    for key, label in rows.items():
-        table.add_row(label, f"{results[key]:.0f}")
-    console.print(table)
-    console.print(f"speedup      (2/1): {results['speedup']:.2f}\n"
-                  f"hdf5_speedup (3/1): {results['hdf5_speedup']:.2f}  (reported; no target)",
-                  highlight=False)
+# The table's rows: each pipeline's label.
+ROWS = {"torchvision": "1 torchvision: decode_jpeg/decode_png + v2 transforms on Image and Mask",
+        "segfolder": "2 labrun segfolder + turbojpeg (crop region only)",
+        "seg_hdf5": "3 labrun seg_hdf5 + turbojpeg (crop region only)"}
 
 
 def labrun_seg_data(dataset: dict, args: argparse.Namespace):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,37 @@ def read_input(path: Path, prepare: Callable[[bytes], Any]) -> Any | None:
     except (ImageError, OSError) as error:
         log.warning("skipped %s: %s", path, error)
         return None
+
+
+def check_out(out: Path, inputs: list[Path], paths: list[Path], written: Callable[[str], list[str]],
+              what: str) -> None:
+    """Refuse, before a model loads, an --out that is a folder of the input images (or a folder
+    given), a file, or one where two inputs would write one file (the same stem in two
+    folders). `written(stem)`: the names an image's answers take; `what`: what they are."""
+    folders = {path.parent.resolve() for path in paths}
+    folders |= {item.resolve() for item in inputs if item.is_dir()}
+    if out.resolve() in folders:
+        raise LabrunError(f"--out {out} is a folder of the input images; {what} never go among "
+                          f"them: give another folder, such as {out.parent / (out.name + '-out')}")
+    if out.exists() and not out.is_dir():
+        raise LabrunError(f"--out {out} is a file; give a folder (it is made if missing)")
+    writers: dict[str, Path] = {}
+    for path in paths:
+        for name in written(path.stem):
+            if name in writers:
+                raise LabrunError(f"{writers[name]} and {path} would both write {out / name}; "
+                                  f"predict them into separate --out folders")
+            writers[name] = path
+
+
+def batches(paths: list[Path], size: int, prepare: Callable[[bytes], Any]
+            ) -> Iterator[tuple[list[tuple[Path, Any]], int]]:
+    """The inputs `size` at a time: each batch's (path, prepare(its bytes)) of the usable ones,
+    and how many were skipped (read_input says why)."""
+    for start in range(0, len(paths), size):
+        prepared = [(path, read_input(path, prepare)) for path in paths[start:start + size]]
+        usable = [(path, image) for path, image in prepared if image is not None]
+        yield usable, len(prepared) - len(usable)
 
 
 def write_csv(path: Path, header: list[str], rows: list[Sequence[Any]]) -> None:

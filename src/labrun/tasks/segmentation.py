@@ -390,18 +390,13 @@ def predict(args, open_model: Callable[[], Segmenter]) -> int:
         raise LabrunError("a segmentation model writes mask PNGs: add --out DIR (a folder "
                           "other than the images' own)")
     paths = predicting.image_files(args.inputs)
-    check_out(out, args.inputs, paths)  # before the model loads and anything is written
+    predicting.check_out(out, args.inputs, paths,  # before the model loads and writes
+                         lambda stem: [f"{stem}.png", f"{stem}_overlay.png"], "masks")
     segmenter = open_model()
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for start in range(0, len(paths), args.batch_size):
-        prepared = []
-        for path in paths[start:start + args.batch_size]:
-            image = predicting.read_input(path, segmenter.prepare)
-            if image is None:
-                failed += 1
-            else:
-                prepared.append((path, image))
+    for prepared, skipped in predicting.batches(paths, args.batch_size, segmenter.prepare):
+        failed += skipped
         masks = segmenter.masks([p.image for _, p in prepared]) if prepared else []
         for (path, image), mask in zip(prepared, masks, strict=True):
             mask = segmenter.restore(mask, image.size)
@@ -413,21 +408,3 @@ def predict(args, open_model: Callable[[], Segmenter]) -> int:
     log.info("%d images segmented, %d skipped -> %s", len(paths) - failed, failed, out)
     return 1 if failed else 0
 
-
-def check_out(out: Path, inputs: list[Path], paths: list[Path]) -> None:
-    """Refuse an --out that is an image's own folder (or a folder given), or that would get two
-    files of one name (the same stem in two folders)."""
-    folders = {path.parent.resolve() for path in paths}
-    folders |= {item.resolve() for item in inputs if item.is_dir()}
-    if out.resolve() in folders:
-        raise LabrunError(f"--out {out} is a folder of the input images; masks never go among "
-                          f"them: give another folder, such as {out.parent / (out.name + '-masks')}")
-    if out.exists() and not out.is_dir():
-        raise LabrunError(f"--out {out} is a file; give a folder (it is made if missing)")
-    stems: dict[str, Path] = {}
-    for path in paths:
-        for name in (path.stem, f"{path.stem}_overlay"):
-            if name in stems:
-                raise LabrunError(f"{stems[name]} and {path} would both write {out / name}.png; "
-                                  f"predict them into separate --out folders")
-        stems[path.stem] = stems[f"{path.stem}_overlay"] = path

@@ -235,18 +235,13 @@ def predict(args, open_model: Callable[[], Detector]) -> int:
         raise LabrunError("a detector writes a JSON and an overlay PNG per image: add --out DIR "
                           "(a folder other than the images' own)")
     paths = predicting.image_files(args.inputs)
-    check_out(out, args.inputs, paths)  # before the model loads and anything is written
+    predicting.check_out(out, args.inputs, paths,  # before the model loads and writes
+                         lambda stem: [f"{stem}.json", f"{stem}_overlay.png"], "answers")
     detector = open_model()
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for start in range(0, len(paths), args.batch_size):
-        prepared = []
-        for path in paths[start:start + args.batch_size]:
-            image = predicting.read_input(path, detector.prepare)
-            if image is None:
-                failed += 1
-            else:
-                prepared.append((path, image))
+    for prepared, skipped in predicting.batches(paths, args.batch_size, detector.prepare):
+        failed += skipped
         found = detector.detect([p.image for _, p in prepared]) if prepared else []
         for (path, image), boxes in zip(prepared, found, strict=True):
             answer = detector.answer(boxes, image, args.score_threshold, args.max_detections)
@@ -261,21 +256,3 @@ def predict(args, open_model: Callable[[], Detector]) -> int:
     log.info("%d images detected, %d skipped -> %s", len(paths) - failed, failed, out)
     return 1 if failed else 0
 
-
-def check_out(out: Path, inputs: list[Path], paths: list[Path]) -> None:
-    """Refuse an --out that is an image's own folder (or a folder given), or that would get two
-    files of one name (the same stem in two folders)."""
-    folders = {path.parent.resolve() for path in paths}
-    folders |= {item.resolve() for item in inputs if item.is_dir()}
-    if out.resolve() in folders:
-        raise LabrunError(f"--out {out} is a folder of the input images; answers never go "
-                          f"among them: give another folder, such as "
-                          f"{out.parent / (out.name + '-boxes')}")
-    if out.exists() and not out.is_dir():
-        raise LabrunError(f"--out {out} is a file; give a folder (it is made if missing)")
-    stems: dict[str, Path] = {}
-    for path in paths:
-        if path.stem in stems:
-            raise LabrunError(f"{stems[path.stem]} and {path} would both write "
-                              f"{out / path.stem}.json; predict them into separate --out folders")
-        stems[path.stem] = path
