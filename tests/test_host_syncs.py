@@ -13,8 +13,8 @@ and in fp16, whose GradScaler checks for infinities with a sync of its own every
 precision's need, counted apart: torch's code, one a step at most).
 
 A detector synchronises inside its own code, where no wrapped method sees it: torchvision's
-FCOS matches boxes with boolean masks and `nonzero`, reads its foreground count, and runs NMS,
-all in C++ ops whose output shape the host must read. For task=detection the callback also counts
+FCOS matches boxes with boolean masks and reads its foreground count in training (and runs NMS
+in evaluation), in ops whose output shape or value the host must read. For task=detection the callback also counts
 those ops per step, at the dispatcher (a TorchDispatchMode over each step), by the first caller
 outside torch: the figure every step pays on a GPU, stated as it is rather than hidden by a
 counter that only sees labrun's frames.

@@ -6,9 +6,11 @@ input's pixels, after their own box decoding and non-maximum suppression.
 Randomly initialised, with no backbone download (torchvision's default for weights_backbone
 would fetch ImageNet's); or, for `model.pretrained` (the whole detector's weights, COCO's) or
 `model.weights_backbone` (its backbone's, ImageNet's), built as torchvision's builder builds the
-model it loads such weights into (as_for_trained_weights), and the weights, found in the weights
-cache, loaded after the build by the builder itself (models/pretrained.py). Labels count from 1: torchvision's detectors keep 0 for the background, so a dataset of
-K classes makes a model of K + 1 (task=detection shifts the indices on the way in and out).
+model it loads such weights into (as_for_trained_weights), the weights, found in the weights
+cache, loaded after the build by the builder itself (models/pretrained.py).
+
+Labels count from 1: torchvision's detectors keep 0 for the background, so a dataset of K
+classes makes a model of K + 1 (task=detection shifts the indices on the way in and out).
 
 The model's own transform resizes its input to `image_size` (the data's: dataset.image_size),
 so that it sees the images at the size they were made for, not torchvision's COCO default of
@@ -45,7 +47,7 @@ def torchvision_det_model(num_classes: int, name: str, image_size: int | None = 
     the one the builder makes for such weights (as_for_trained_weights), without them."""
     import torchvision
 
-    from labrun.models import pretrained as weights
+    from labrun.models.pretrained import torchvision_weights
 
     available = torchvision.models.list_models(module=torchvision.models.detection)
     if name not in available:
@@ -61,12 +63,12 @@ def torchvision_det_model(num_classes: int, name: str, image_size: int | None = 
         arguments.update(_threshold_arguments(name, score_threshold, detections_per_image))
     trained = contextlib.nullcontext()
     if pretrained:
-        arguments["weights"] = weights.torchvision_weights(name, pretrained, "detection")
+        arguments["weights"] = torchvision_weights(name, pretrained, "detection")
         arguments["weights_backbone"] = None  # the builder's own rule: the whole model's hold it
         trained = as_for_trained_weights(arguments["weights"], num_classes + 1)
     elif weights_backbone:
-        arguments["weights_backbone"] = weights.torchvision_weights(name, weights_backbone,
-                                                                    "detection", backbone=True)
+        arguments["weights_backbone"] = torchvision_weights(name, weights_backbone, "detection",
+                                                            backbone=True)
         trained = as_for_trained_weights()
     with trained:
         model = torchvision.models.get_model(name, **arguments)
