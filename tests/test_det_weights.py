@@ -125,6 +125,8 @@ def test_a_coco_detector_loads_as_its_builder_loads_it_with_a_head_for_the_data(
     rebuilt = run_model(cfg)
     rebuilt.load_state_dict(model.state_dict())
 
+    if name != DETECTORS[0]:
+        return  # one detector's step is proof enough: the rest is torchvision's own code
     # A step of training as the task takes it: the head learns from the data's classes.
     task = Detection()
     images = torch.randint(0, 256, (2, 3, SIZE, SIZE), dtype=torch.uint8)
