@@ -34,7 +34,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # One intra-op thread for torch in every process the tests start (they inherit it, and so do
-# the SLURM jobs they submit): `make test` runs two xdist workers on two cores, so a process with
+# the SLURM jobs they submit): `make test` runs three xdist workers on two cores, so a process with
 # two threads waits at every parallel region for the thread that the other worker's process has
 # descheduled, and spins meanwhile. Measured here with the suite running beside it: the
 # DETERMINISTIC run took 94 s and 33 CPU-s with two threads, 29 s and 18 CPU-s with one.
@@ -308,7 +308,7 @@ SLURM_SKIP_REASON = "LABRUN_NO_SLURM=1: the SLURM tests were asked not to run"
 
 
 def pytest_itemcollected(item):
-    # `make test` runs two pytest-xdist workers with --dist loadgroup: a file's tests stay on one
+    # `make test` runs three pytest-xdist workers with --dist loadgroup: a file's tests stay on one
     # worker (its module fixtures train once), and every SLURM test shares one worker, since
     # they share one test cluster and some reconfigure it. A file whose tests share no module
     # fixture may say SPREAD_OVER_WORKERS = True: each of its tests is then a group of its own,

@@ -46,11 +46,17 @@ def test_bench_data_measures_every_pipeline_and_writes_json(tmp_path):
     assert "normalised floats on cpu" in result.stdout
     assert "labrun hdf5 + batched decode_jpeg on cpu" in result.stdout
     assert "resnet50" not in figures  # timed only on a GPU
-    # --check: exit 1 exactly when a required target is missed by the figures it wrote.
-    missed = [t.figure for t in DATA_TARGETS if t.required and not t.met(figures[t.figure])]
-    assert result.returncode == (1 if missed else 0), result.stdout + result.stderr
-    assert [line.split(":")[1].strip() for line in result.stdout.splitlines()
-            if line.startswith("target missed:")] == [f"data {figure}" for figure in missed]
+    # --check: exit 1 exactly when a required target is missed by the figures it wrote. The
+    # JSON rounds them to 3 places: a figure that close to its floor may fall either way.
+    required = [t for t in DATA_TARGETS if t.required]
+    unsure = {t.figure for t in required if abs(figures[t.figure] - t.floor) <= 5e-4}
+    missed = [t.figure for t in required if not t.met(figures[t.figure])]
+    said = [line.split(":")[1].strip() for line in result.stdout.splitlines()
+            if line.startswith("target missed:")]
+    assert [m for m in said if m.removeprefix("data ") not in unsure] == \
+        [f"data {figure}" for figure in missed if figure not in unsure]
+    if not unsure:
+        assert result.returncode == (1 if missed else 0), result.stdout + result.stderr
 
 
 def test_the_baseline_loader_has_labrun_loader_settings(tmp_path):
