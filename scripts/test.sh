@@ -26,8 +26,7 @@ cleanup() { [ "$cluster_started" = 1 ] && bash scripts/slurm_down.sh >/dev/null 
 trap cleanup EXIT
 
 # --durations: every run shows where the time goes.
-# -n 3 --dist loadgroup: three workers (tests/conftest.py groups a file's tests, and all SLURM
-# tests, onto one worker). With two, the two cores stood idle an eighth of the time (the SLURM
-# worker waiting on its queue, servers starting); a third worker fills that: the whole suite in
-# 2076 s against 2247 s with two, in the same hour on the same 2-core machine.
-.venv/bin/python -m pytest -n 3 --dist loadgroup --durations=25 "$@"
+# -n 2 --dist loadgroup: a worker per core (tests/conftest.py groups a file's tests, and all
+# SLURM tests, onto one worker). A third worker filled the cores' idle eighth here (2076 s
+# against 2247 s), but CI's machine took 2615 s with three, against about 1930 s with two.
+.venv/bin/python -m pytest -n 2 --dist loadgroup --durations=25 "$@"

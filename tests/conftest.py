@@ -34,10 +34,10 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # One intra-op thread for torch in every process the tests start (they inherit it, and so do
-# the SLURM jobs they submit): `make test` runs three xdist workers on two cores, so a process with
+# the SLURM jobs they submit): `make test` runs two xdist workers on two cores, so a process with
 # two threads waits at every parallel region for the thread that the other worker's process has
-# descheduled, and spins meanwhile. Measured here with the suite running beside it: the
-# DETERMINISTIC run took 94 s and 33 CPU-s with two threads, 29 s and 18 CPU-s with one.
+# descheduled, and spins meanwhile. Measured here with the suite running beside it: a
+# THREE_EPOCHS run took 94 s and 33 CPU-s with two threads, 29 s and 18 CPU-s with one.
 # Every comparison of weights is between runs made with this same setting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -47,7 +47,7 @@ def run_train(*overrides: str, run_dir: Path | None = None, check: bool = True,
               ) -> subprocess.CompletedProcess:
     """Run the real `python train.py` with `overrides` (plus FAST, which overrides may change).
 
-    timeout: the longest run a test starts (DETERMINISTIC: three epochs, two workers) took
+    timeout: the longest run a test starts (THREE_EPOCHS: 66 steps, two workers) took
     about 140 s on a loaded 2-core machine; 300 s leaves room for more load, and a hung run
     fails instead of blocking the suite."""
     args = [PYTHON, str(PROJECT / "train.py"), *FAST, *overrides]
@@ -102,7 +102,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
     """Until `path` exists; fails if the process ends first or time runs out.
 
     timeout: what a test waits for is written by a run before it ends, so the time run_train
-    allows a whole run (300 s) is enough; 120 s was not far above the ~85 s a DETERMINISTIC run
+    allows a whole run (300 s) is enough; 120 s was not far above the ~85 s a THREE_EPOCHS run
     took to reach its step-35 checkpoint on a loaded 2-core machine."""
     deadline = time.time() + timeout
     while not path.exists():
@@ -115,7 +115,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 def run_labrun(*args: str, check: bool = True, timeout: int = 300, cwd: Path = PROJECT,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    # timeout: the slowest command a test runs (`labrun resume` of a DETERMINISTIC run) is a
+    # timeout: the slowest command a test runs (`labrun resume` of a THREE_EPOCHS run) is a
     # run's remainder at most: the same 300 s as run_train.
     result = subprocess.run([LABRUN, *args], cwd=cwd, capture_output=True, text=True,
                             timeout=timeout, env={**os.environ, **(env or {})})
@@ -308,7 +308,7 @@ SLURM_SKIP_REASON = "LABRUN_NO_SLURM=1: the SLURM tests were asked not to run"
 
 
 def pytest_itemcollected(item):
-    # `make test` runs three pytest-xdist workers with --dist loadgroup: a file's tests stay on one
+    # `make test` runs two pytest-xdist workers with --dist loadgroup: a file's tests stay on one
     # worker (its module fixtures train once), and every SLURM test shares one worker, since
     # they share one test cluster and some reconfigure it. A file whose tests share no module
     # fixture may say SPREAD_OVER_WORKERS = True: each of its tests is then a group of its own,
@@ -482,10 +482,15 @@ def in_podman(python: str = PYTHON, mounts: tuple[str, ...] = ()) -> list[str]:
             f"cluster.container.python={python}", f"cluster.container.mounts=[{binds}]"]
 
 
-# A deterministic run used as the reference for every resume and fault test: three short
-# epochs of 22 steps, a checkpoint every 5 steps, 2 data workers.
-DETERMINISTIC = ["trainer.max_epochs=3", "trainer.deterministic=true",
-                 "checkpoint.every_n_steps=5", "dataset.num_workers=2"]
+# A deterministic run of three whole epochs of 22 steps, a checkpoint every 5 steps, 2 data
+# workers: the run test_cluster_lab's scenarios preempt, fail and time out, which need one still
+# training many seconds after its step-10 checkpoint (a preemption lands after a grace time).
+THREE_EPOCHS = ["trainer.max_epochs=3", "trainer.deterministic=true",
+                "checkpoint.every_n_steps=5", "dataset.num_workers=2"]
+# The reference for every resume and fault test: the same run with epochs of 12 steps (36 in
+# all), which keeps every boundary a kill can fall on (a checkpoint every 5 steps, the end of an
+# epoch, a validation) in a run that takes 7 CPU-s less (24 s against 17 s here, unloaded).
+DETERMINISTIC = [*THREE_EPOCHS, "trainer.limit_train_batches=12"]
 
 
 def final_weights(run_dir: Path) -> dict:

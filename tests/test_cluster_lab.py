@@ -27,11 +27,11 @@ from conftest import (
     DDP_LOSS_TOLERANCE,
     DDP_SHORT,
     DDP_WEIGHT_TOLERANCE,
-    DETERMINISTIC,
     FAST,
     LABRUN,
     PROJECT,
     PYTHON,
+    THREE_EPOCHS,
     assert_identical,
     final_weights,
     in_podman,
@@ -188,7 +188,7 @@ class Preemption(Trigger):
 
     @classmethod
     def start(cls, sweep_dir: Path) -> Preemption:
-        proc = sweep(sweep_dir, *DETERMINISTIC, "cluster.qos=normal,scavenger",
+        proc = sweep(sweep_dir, *THREE_EPOCHS, "cluster.qos=normal,scavenger",
                      "+cluster.extra_sbatch.nodelist=node3", "cluster.cpus_per_task=1")
         placeholder = sbatch("-p", "gpu", "-q", "scavenger", "-w", "node3", "--gres=gpu:2",
                              "-J", "placeholder", "--wrap", "sleep 900")
@@ -207,7 +207,7 @@ def hold_still(run_dir: Path) -> int:
     """SIGSTOP the process training `run_dir` (the PID its lock names: the job's nodes share
     this machine's PID namespace) and its DataLoader workers; returns its PID. A stand-in for a
     run long enough that what comes next (its node failing, its time limit) comes mid-training:
-    a DETERMINISTIC run would otherwise end first. SLURM continues it (SIGCONT) with any
+    a THREE_EPOCHS run would otherwise end first. SLURM continues it (SIGCONT) with any
     signal it sends the job's step; a failing node kills it stopped."""
     pid = lock_holder.read_holder(run_dir / ".lock").pid
     children = [int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
@@ -245,7 +245,7 @@ class NodeFailure(Trigger):
     def start(cls, sweep_dir: Path, single_dir: Path) -> NodeFailure:
         # Not pinned to a node (its requeued job would wait for that node): SLURM fills the
         # first node that fits first, node1, where node2 and node3 have jobs of their own.
-        not_node3 = [*DETERMINISTIC, "+cluster.extra_sbatch.exclude=node3",
+        not_node3 = [*THREE_EPOCHS, "+cluster.extra_sbatch.exclude=node3",
                      "cluster.cpus_per_task=1"]
         proc = sweep(sweep_dir, *not_node3)
         scenario = cls(sweep_dir, proc, single_dir, single_run(single_dir, *not_node3))
@@ -301,7 +301,7 @@ class ContainerRequeue(Trigger):
         wait_for(failing, self.failure.proc)
         self.node = "node2" if environment(failing.parent.parent)["hostname"] == "node1" \
             else "node1"
-        self.proc = single_run(self.sweep_dir, *DETERMINISTIC, *in_podman(),
+        self.proc = single_run(self.sweep_dir, *THREE_EPOCHS, *in_podman(),
                                f"+cluster.extra_sbatch.nodelist={self.node}",
                                "cluster.cpus_per_task=1")
         run = self.sweep_dir  # a single run: its folder is the run folder
@@ -330,7 +330,7 @@ class TimeLimit(Trigger):
 
     @classmethod
     def start(cls, run_dir: Path) -> TimeLimit:
-        scenario = cls(run_dir, single_run(run_dir, *DETERMINISTIC, "cluster.timeout_min=2",
+        scenario = cls(run_dir, single_run(run_dir, *THREE_EPOCHS, "cluster.timeout_min=2",
                                            "cluster.signal_delay_s=30",
                                            "+cluster.extra_sbatch.nodelist=node2",
                                            "cluster.cpus_per_task=1"))

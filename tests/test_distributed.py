@@ -237,12 +237,13 @@ def test_a_user_error_in_two_local_processes_is_one_line(tmp_path):
     assert "fewer than one optimizer step" in lines[-1] and "Traceback" not in result.stderr
 
 
-# Two full epochs of 22 steps, a checkpoint every 5: the Ctrl-C comes right after step 5, with
-# 39 steps still to go, many seconds of training however fast or loaded the machine is.
-RESUMABLE = ["trainer.devices=2", "trainer.max_epochs=2", "trainer.deterministic=true",
-             "checkpoint.every_n_steps=5", "trainer.limit_val_batches=2", "model.dropout=0"]
-TOTAL_STEPS = 44
-# Generous: a 2-process run of 44 steps takes a few minutes when other tests load the 2 cores;
+# Two epochs of 12 steps, a checkpoint every 5: the Ctrl-C comes right after step 5, with 19
+# steps still to go (an all-reduce each), seconds of training however fast the machine is.
+RESUMABLE = ["trainer.devices=2", "trainer.max_epochs=2", "trainer.limit_train_batches=12",
+             "trainer.deterministic=true", "checkpoint.every_n_steps=5",
+             "trainer.limit_val_batches=2", "model.dropout=0"]
+TOTAL_STEPS = 24
+# Generous: a 2-process run of 24 steps takes a minute or two when other tests load the 2 cores;
 # the limits only stop a hung run from blocking the suite.
 RUN_TIMEOUT = 900
 

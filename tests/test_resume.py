@@ -30,15 +30,15 @@ def start(run_dir: Path) -> subprocess.Popen:
 
 
 def test_killed_run_resumes_to_identical_weights_from_an_epochs_end(tmp_path, reference_weights):
-    """kill -9 just after the checkpoint at the end of epoch 1 (step 22): the resumed run starts
+    """kill -9 just after the checkpoint at the end of epoch 1 (step 12): the resumed run starts
     epoch 2 from its first sample. (Kills at random moments, mid-epoch among them, and where
     each resumed from: tests/faults/test_kills.py.)"""
     run_dir = tmp_path / "run"
     proc = start(run_dir)
-    wait_for(run_dir / "checkpoints" / "step-00000022.pt", proc)
+    wait_for(run_dir / "checkpoints" / "step-00000012.pt", proc)
     # The kill lands a moment after that checkpoint, possibly a few steps later on a loaded
     # machine; wherever it lands, the resumed run must end identical. It only has to land
-    # before the run ends (44 steps and two evaluations later), and the exit code shows it did.
+    # before the run ends (24 steps and two evaluations later), and the exit code shows it did.
     proc.kill()  # SIGKILL: no chance to save anything more
     # Its data workers see their parent gone within seconds and close the pipes; 60 s: a hang.
     proc.communicate(timeout=60)
@@ -58,7 +58,7 @@ def test_sigterm_saves_at_the_next_step_and_resume_command_finishes(tmp_path, re
     run_dir = tmp_path / "run"
     proc = start_train(*RUN, "checkpoint.on_finish=best_last", run_dir=run_dir)
     wait_for(run_dir / "checkpoints" / "step-00000010.pt", proc)
-    # Any moment before the run ends will do (56 steps are left: many seconds, even idle).
+    # Any moment before the run ends will do (26 steps are left: seconds, even idle).
     proc.send_signal(signal.SIGTERM)
     # It stops at the next step boundary with a checkpoint: seconds; 60 s: a stop that hangs.
     _, stderr = proc.communicate(timeout=60)

@@ -45,7 +45,7 @@ from faults.conftest import (
     saved_steps,
 )
 
-RANDOM_KILLS = 4  # kill -9 trials at random moments; with the one during a write, 5 in all
+RANDOM_KILLS = 2  # kill -9 trials at random moments; with the one during a write, 3 in all
 ATTEMPTS = 4  # runs per trial at most: a kill in start-up or after the end is drawn again
 EVERY_N = 5  # checkpoint.every_n_steps in DETERMINISTIC
 KEEP_LAST = 3  # checkpoint.keep_last, the default (conf/train.yaml)
