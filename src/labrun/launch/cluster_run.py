@@ -52,7 +52,8 @@ from labrun.runs.rundir import RunDir
 from labrun.runs.sweepdir import Job, read_result
 
 # How often the follower asks SLURM about the job, at first and at most (a long run costs one
-# query every POLL_MAX_S), and how often it reads the job's log for new lines.
+# query every POLL_MAX_S; once the job's result is written, one at once and then every POLL_S),
+# and how often it reads the job's log for new lines.
 POLL_S, POLL_MAX_S, TAIL_S = 2.0, 10.0, 0.5
 # After Ctrl-C: how long to wait for the cancelled job to save its checkpoint and end
 # (SLURM's KillWait, 30 s by default, then SIGKILL; with room for the controller).
@@ -251,16 +252,19 @@ def watch(launcher: sweep.SweepLauncher, job: Job, log_tail: JobLog) -> Job:
     """Poll until the job has ended (launcher.ended: SLURM's word, or its run folder's); print
     each new state with its reason or nodes, and the log's new lines."""
     scheduler = launcher.scheduler()
-    shown, interval, next_ask = None, POLL_S, 0.0
+    shown, interval, next_ask, ending = None, POLL_S, 0.0, False
     while True:
         now = time.monotonic()
+        if not ending and launcher.ended_soon(job):  # asked at once, then every POLL_S
+            ending, next_ask = True, now
         if now >= next_ask:
             if launcher.ended([job]):
                 return job
             with contextlib.suppress(probes.SlurmError):  # asked again at the next pass
                 line = state_line(job, scheduler.job_whereabouts(str(job.job_id)))
-                if line != shown:
-                    say(line)
+                if line != shown or ending:
+                    if line != shown:
+                        say(line)
                     shown, interval = line, POLL_S
                 else:
                     interval = min(interval * 1.5, POLL_MAX_S)

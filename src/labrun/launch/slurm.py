@@ -50,7 +50,12 @@ from labrun.launch.slurm_limits import (
     split,
     throttle_shares,
 )
-from labrun.runs.sweepdir import Job, ended_without_result, submitit_result
+from labrun.runs.sweepdir import (
+    Job,
+    ended_without_result,
+    submitit_result,
+    submitit_result_path,
+)
 
 POLL_S = 2.0
 # A job that neither squeue nor sacct lists for this long has ended without a trace (a cluster
@@ -63,6 +68,7 @@ class SlurmLauncher(sweep.SweepLauncher):
     scheduler = SlurmScheduler
     POLL_S = POLL_S
     POLL_MAX_S = 10.0  # one squeue (sacct too, for jobs squeue forgot) for all jobs a pass
+    GLANCE_S = 0.5  # ended_soon: a file's existence, on the sweep's own (shared) file system
 
     # -- in the job ----------------------------------------------------------------------------
 
@@ -319,6 +325,12 @@ class SlurmLauncher(sweep.SweepLauncher):
                 job.ended_at = now  # when this launcher saw it end
                 done.append(job)
         return done
+
+    def ended_soon(self, job: Job) -> bool:
+        """The job's call has returned (or raised): submitit has written its result, and SLURM
+        will see the job end within moments."""
+        path = submitit_result_path(job)
+        return path is not None and path.exists()
 
     def stop(self, jobs: list[Job]) -> None:
         """Ctrl-C cancels the jobs (SIGHUP, the terminal gone, ends only this process, and the

@@ -55,6 +55,12 @@ class SweepLauncher(Launcher):
     # ... and at most, the interval growing by half each pass in which nothing ended: a sweep
     # of long jobs costs its scheduler a query every POLL_MAX_S seconds.
     POLL_MAX_S: ClassVar[float | None] = None  # None: POLL_S always
+    # Between two questions, how often wait_any() looks for a job's own sign that it has ended
+    # (ended_soon), for GLANCE_JOBS jobs a look, in turn: a job that ends is asked about at
+    # once, not up to POLL_MAX_S later, and a sweep of thousands costs a few file checks a
+    # second. None: no sign to look for (the launcher asks its scheduler often anyway).
+    GLANCE_S: ClassVar[float | None] = None
+    GLANCE_JOBS: ClassVar[int] = 32
     CAN_DETACH: ClassVar[bool] = False  # whether cluster.detach=true returns after submission
     # Whether a run without -m goes through this launcher too (launch/cluster_run.py): on a
     # cluster, where the run must not train on the machine it was typed on.
@@ -65,6 +71,7 @@ class SweepLauncher(Launcher):
         self.hydra_context: HydraContext | None = None
         self.task_function: TaskFunction | None = None
         self._composer: JobComposer | None = None
+        self._signs_seen: set[str | None] = set()  # jobs whose sign of an end nap() has seen
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
               config: DictConfig) -> None:
@@ -187,8 +194,33 @@ class SweepLauncher(Launcher):
                     log.info("job %d %s", job.num, job.state)
                 self.record(ended)  # `labrun status` sees them
                 return ended
-            time.sleep(interval)
-            interval = min(interval * 1.5, self.POLL_MAX_S or self.POLL_S)
+            if self.nap(jobs, interval):
+                interval = self.POLL_S  # its scheduler may not have seen the end yet
+            else:
+                interval = min(interval * 1.5, self.POLL_MAX_S or self.POLL_S)
+
+    def ended_soon(self, job: Job) -> bool:
+        """Whether the job has left its own sign that it has ended or is ending (a scheduler's
+        job: the result its Python left), before its scheduler says so. Only for GLANCE_S."""
+        return False
+
+    def nap(self, jobs: list[Job], seconds: float) -> bool:
+        """Sleep `seconds`, or less: True as soon as a job shows a sign that it has ended
+        (ended_soon) which no earlier nap has seen."""
+        if self.GLANCE_S is None:
+            time.sleep(seconds)
+            return False
+        deadline, turn = time.monotonic() + seconds, 0
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(self.GLANCE_S, left))
+            look = jobs[turn:turn + self.GLANCE_JOBS]
+            turn = turn + self.GLANCE_JOBS if turn + self.GLANCE_JOBS < len(jobs) else 0
+            new = {job.job_id for job in look
+                   if job.job_id not in self._signs_seen and self.ended_soon(job)}
+            if new:
+                self._signs_seen |= new
+                return True
+        return False
 
     def read_results(self, ended: list[Job]) -> None:
         """Each ended job's result from its run folder. `labrun cancel` from another terminal

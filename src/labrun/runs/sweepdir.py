@@ -212,15 +212,25 @@ def read_result(job: Job) -> None:
         job.error = last_error_line(job.log) or job.error or "the job ended without a result"
 
 
+def submitit_result_path(job: Job) -> Path | None:
+    """Where submitit writes the result of the job's call (its first task's), once made."""
+    if not job.submitit_dir or not job.job_id:
+        return None
+    from submitit.core.utils import JobPaths
+
+    return JobPaths(job.submitit_dir, job.job_id, 0).result_pickle
+
+
 def submitit_result(job: Job) -> tuple[str, Any] | None:
     """What submitit recorded of the job's call: ("success", its return value) or ("error",
     the traceback as text); None when there is no result (killed, cancelled, still running)."""
-    if not job.submitit_dir or not job.job_id:
+    path = submitit_result_path(job)
+    if path is None:
         return None
-    from submitit.core.utils import JobPaths, pickle_load
+    from submitit.core.utils import pickle_load
 
     try:
-        return pickle_load(JobPaths(job.submitit_dir, job.job_id, 0).result_pickle)
+        return pickle_load(path)
     except (OSError, EOFError, ValueError):
         return None
 
