@@ -100,7 +100,7 @@ def test_a_good_bring_up_runs_pytest_with_durations(tmp_path):
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "LABRUN_NO_SLURM": "0"})
     assert result.returncode == 0, result.stderr
-    assert (project / "pytest-ran").read_text().split() == ["-m", "pytest", "-n", "3", "--dist",
+    assert (project / "pytest-ran").read_text().split() == ["-m", "pytest", "-n", "2", "--dist",
                                                             "loadgroup", "--durations=25",
                                                             "-k", "x"]
 
