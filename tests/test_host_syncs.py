@@ -120,7 +120,8 @@ class CountHostSyncs(Callback):
             {"per_step": self.per_step, "sites": self.sites, "status": status,
              "scaler_per_step": self.scaler_per_step, "ops_per_step": self.ops_per_step,
              "log_every": trainer.cfg.trainer.log_every_n_steps,
-             "steps_per_epoch": trainer.steps_per_epoch}))
+             "steps_per_epoch": trainer.steps_per_epoch,
+             "compiler_imported": "torch._dynamo" in sys.modules}))
 
 
 class CountWaitingOps(TorchDispatchMode):
@@ -197,6 +198,9 @@ def test_no_host_sync_between_log_points(tmp_path, precision, devices, extra):
                    if calls}
         print(f"rank {rank}: host syncs per step {per_step}")
         assert not syncing, f"rank {rank}: host syncs between log points: {syncing}"
+        # Nor did the run import torch's compiler, which it does not use (train/eager.py):
+        # DDP's constructor alone imports it, to ask the compiler how it treats DDP.
+        assert found["compiler_imported"] == (devices > 1)
         # The counter does see the syncs a log point makes (the logged train/loss), so a zero
         # above is the loop's, not a counter that counts nothing.
         assert per_step[5] >= 1

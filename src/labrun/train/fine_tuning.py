@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from labrun.core.errors import ConfigError
-from labrun.train import initial_weights
+from labrun.train import eager, initial_weights
 from labrun.train.fine_tune_keys import asked
 
 log = logging.getLogger(__name__)
@@ -110,8 +110,12 @@ def build_optimizer(cfg: DictConfig, model: nn.Module, info: dict[str, Any]
 
     num_classes = len(info.get("class_names") or []) or None
     head = lambda: initial_weights.head_keys(cfg.model, model, num_classes)  # noqa: E731
-    return instantiate(optimizer_factory(cfg.optimizer))(
-        parameters(model, cfg.optimizer, head))
+    make = instantiate(optimizer_factory(cfg.optimizer))  # a partial: the class, its settings
+    optimizer_class = getattr(make, "func", None)
+    if (not cfg.trainer.compile and isinstance(optimizer_class, type)
+            and issubclass(optimizer_class, torch.optim.Optimizer)):
+        eager.without_the_compiler(optimizer_class)
+    return make(parameters(model, cfg.optimizer, head))
 
 
 def optimizer_factory(optimizer: DictConfig) -> dict[str, Any]:
