@@ -262,12 +262,11 @@ def watch(launcher: sweep.SweepLauncher, job: Job, log_tail: JobLog) -> Job:
                 return job
             with contextlib.suppress(probes.SlurmError):  # asked again at the next pass
                 line = state_line(job, scheduler.job_whereabouts(str(job.job_id)))
-                if line != shown or ending:
-                    if line != shown:
-                        say(line)
+                if line != shown:
+                    say(line)
                     shown, interval = line, POLL_S
                 else:
-                    interval = min(interval * 1.5, POLL_MAX_S)
+                    interval = POLL_S if ending else min(interval * 1.5, POLL_MAX_S)
             next_ask = now + interval
         log_tail.show()
         time.sleep(TAIL_S)

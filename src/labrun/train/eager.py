@@ -14,7 +14,7 @@ that its first call would otherwise import torch._dynamo to make, and the class'
 grad mode as _use_grad_for_differentiable does, without the graph break. Both rely on the
 layout of torch's own wrappers (torch/_compile.py, torch/optim/optimizer.py); where a torch
 version lays them out otherwise, nothing is changed and the compiler is imported as before
-(tests/test_trainer_options.py checks that a run leaves it unimported).
+(tests/test_host_syncs.py checks that its runs leave it unimported).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def without_the_compiler(optimizer_class: type[torch.optim.Optimizer]) -> None:
 def _step_without_graph_break(optimizer_class: type[torch.optim.Optimizer]) -> None:
     step = optimizer_class.step
     hooked = getattr(step, "hooked", False)  # wrapped by Optimizer.profile_hook_step already
-    use_grad = step.__wrapped__ if hooked else step
+    use_grad = getattr(step, "__wrapped__", None) if hooked else step
     if not _is_use_grad(use_grad):
         return
     raw_step = use_grad.__wrapped__
