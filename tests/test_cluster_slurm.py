@@ -474,13 +474,11 @@ def test_an_optuna_study_keeps_n_jobs_trials_in_flight_each_its_own_job(tmp_path
         assert f"optimizer.lr={trial.params['optimizer.lr']}" in row["overrides"]
 
 
-# The controller is requeued by USR2, what SLURM sends a job whose time limit nears
-# (submitit's --signal=USR2@90): submitit checkpoints it and requeues it, the case every long
-# study meets. A node failing under it is SLURM requeuing the same job, whose requeued start is
-# the same as here (its node failing is test_cluster_lab's NodeFailure, for a training job).
-
-
 def test_a_detached_study_runs_by_itself_and_its_requeued_controller_continues_it(tmp_path):
+    """The controller is requeued by USR2, what SLURM sends a job whose time limit nears
+    (submitit's --signal=USR2@90): submitit checkpoints it and requeues it, the case every long
+    study meets. A node failing under it is SLURM requeuing the same job, whose start is then
+    the same as here (a node failing under a training job: test_cluster_lab's NodeFailure)."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
