@@ -47,6 +47,6 @@ if [ ! -x .venv/bin/python ]; then
     .venv/bin/pip install -q --upgrade pip
 fi
 # The tested torch / torchvision (constraints.txt; pyproject.toml declares ranges) come from the
-# local wheel cache.
-.venv/bin/pip install -q -c constraints.txt -e '.[dev]'
+# local wheel cache. nlp: text classification (model=hf), whose tests are part of the suite.
+.venv/bin/pip install -q -c constraints.txt -e '.[dev,nlp]'
 touch ".venv/.installed-$MODE"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+import text_fixtures
 from labrun.core.project import LABRUN_CONF
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -580,3 +581,38 @@ def det_run(tmp_path_factory) -> Path:
     folder = built_once(tmp_path_factory, "det_run", lambda folder: run_train(
         "experiment=det_shapes", run_dir=folder / "run"))
     return folder / "run"
+
+
+# A checkpoint mid-epoch (epochs of 38 steps: 600 texts at 16): where the kill -9 test resumes.
+TEXT_CHECKPOINTS = "checkpoint.every_n_steps=20"
+
+
+@pytest.fixture(scope="session")
+def text_assets(tmp_path_factory) -> Path:
+    """weights/ (the tiny BERT in the hub cache's layout) and data/ (train.csv, val.csv)."""
+
+    def make(folder: Path) -> None:
+        text_fixtures.write_tiny_bert(folder / "weights")
+        text_fixtures.write_corpus(folder / "data")
+
+    return built_once(tmp_path_factory, "text_assets", make)
+
+
+def text_preset(assets: Path, *more: str) -> list[str]:
+    return ["experiment=text_tiny", f"dataset.path={assets / 'data'}",
+            f"paths.weights_cache={assets / 'weights'}",
+            f"paths.data_dir={assets / 'processed'}", TEXT_CHECKPOINTS, *more]
+
+
+@pytest.fixture(scope="session")
+def text_run(text_assets, tmp_path_factory) -> Path:
+    """experiment=text_tiny trained whole, in a network namespace with no route anywhere: a run
+    that reached for the hub would fail there."""
+
+    def train(folder: Path) -> None:
+        args = ["unshare", "--net", PYTHON, str(PROJECT / "train.py"), *FAST,
+                *text_preset(text_assets), f"hydra.run.dir={folder / 'run'}"]
+        result = subprocess.run(args, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "text_run", train) / "run"

@@ -37,6 +37,7 @@ from conftest import (
     read_metrics,
     read_summary,
     slurm_configured,
+    text_preset,
     wait_for,
     wait_for_text,
 )
@@ -190,6 +191,34 @@ def test_a_detection_grid_runs_on_the_cluster_and_compare_ranks_it_by_map(tmp_pa
         last = torch.load(tmp_path / num / "checkpoints" / "last.pt", weights_only=True)
         assert last["data"]["schedule"] == {"mosaic_off_from": 1}
     assert_compare_ranks(tmp_path, "best val/map", best.values())
+
+
+def test_a_text_grid_trains_on_the_cluster_and_a_missing_model_submits_nothing(tmp_path,
+                                                                              text_assets):
+    """task=text_classification's jobs (the tiny BERT from the weights cache, offline on the
+    nodes): judged by val/f1, the task's own monitor; a model absent from the cache is refused
+    in one line before the sweep submits a job."""
+    steps = ["trainer.max_epochs=null", "trainer.max_steps=6", "trainer.val_every_n_steps=6"]
+    missing = run_sweep(tmp_path / "missing", *text_preset(text_assets, *steps),
+                        "model.name=lab/absent-bert", "optimizer.lr=0.001,0.0003")
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert missing.stderr.strip().splitlines() == [
+        f"error: model.name=lab/absent-bert: not in the weights cache (looked in "
+        f"{text_assets / 'weights' / 'hub' / 'models--lab--absent-bert'} and 1 more place); "
+        f"fetch it on a machine with internet: labrun weights fetch model=hf "
+        f"model.name=lab/absent-bert paths.weights_cache={text_assets / 'weights'}"]
+    assert not (tmp_path / "missing" / ".submitit").exists()  # nothing was submitted
+
+    result = run_sweep(tmp_path / "grid", *text_preset(text_assets, *steps),
+                       "optimizer.lr=0.001,0.0003")
+    assert result.returncode == 0, result.stdout + result.stderr
+    best = {}
+    for num in ("0", "1"):
+        summary = read_summary(tmp_path / "grid" / num)
+        assert (summary["status"], summary["step"], summary["monitor"]) == (
+            "completed", 6, "val/f1")
+        best[num] = summary["best/val/f1"]
+    assert_compare_ranks(tmp_path / "grid", "best val/f1", best.values())
 
 
 def test_two_task_ddp_job_trains_and_only_rank_0_writes(tmp_path):

@@ -14,6 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+import text_fixtures
 from conftest import PROJECT, PYTHON, run_train
 from labrun.cli.hydra_app import user_error_message
 from labrun.config import schema as config
@@ -36,7 +37,13 @@ REQUIRED = {"dataset/imagefolder": ["dataset.root={tmp}"], "dataset/hdf5": ["dat
             "dataset/shapes_boxes": ["task=detection"],
             "model/torchvision_seg": ["model.name=lraspp_mobilenet_v3_large"],
             # Its weights are fetched by the run itself here: no cache holds them.
-            "experiment/finetune_resnet18": ["dataset.root={tmp}", "model.download=true"]}
+            "experiment/finetune_resnet18": ["dataset.root={tmp}", "model.download=true"],
+            # Text trains a model=hf, found in the weights cache (a stub there: STUBBED).
+            "dataset/text": ["dataset.path={tmp}", "task=text_classification", "model=hf",
+                             "model.name=labrun/tiny-bert", "paths.weights_cache={tmp}"],
+            "model/hf": ["model.name=labrun/tiny-bert", "paths.weights_cache={tmp}"],
+            "experiment/text_tiny": ["dataset.path={tmp}", "paths.weights_cache={tmp}"]}
+STUBBED = ("dataset/text", "model/hf", "experiment/text_tiny")
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +68,8 @@ def compose_checked(overrides: list[str]):
 def test_every_option_composes_and_validates(group_option, tmp_path):
     group, option = group_option.split("/")
     extra = [e.format(tmp=tmp_path) for e in REQUIRED.get(group_option, [])]
+    if group_option in STUBBED:
+        text_fixtures.write_snapshot_stub(tmp_path)
     cfg = compose_checked([f"{group}={option}", *extra])
     if group != "experiment":
         assert cfg[group] is not None

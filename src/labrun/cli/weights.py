@@ -3,6 +3,7 @@
 
     labrun weights fetch model=resnet18                      # on a login node, with internet
     labrun weights fetch model=timm model.name=convnext_tiny model.pretrained=fb_in1k
+    labrun weights fetch model=hf model.name=bert-base-uncased     # a transformer's snapshot
     labrun weights list
 
 The overrides are train.py's, composed from conf/ as a run would be, so `paths.weights_cache`
@@ -12,8 +13,12 @@ is the one the lab's runs use (conf/paths/, conf/local/, LABRUN_WEIGHTS_CACHE).
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
-from labrun.core.errors import LabrunError
+from labrun.core.errors import ConfigError, LabrunError
+
+HF = "labrun.models.hf.hf_model"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +34,11 @@ def run(args) -> int:
     model_cfg, cache = compose(args.overrides)
     if args.action == "list":
         return list_cache(cache)
+    from labrun.core.hub_cache import hub_offline
+
+    hub_offline(False)  # timm's weights come through huggingface_hub too
+    if model_cfg.get("_target_") == HF:
+        return fetch_hf(model_cfg, cache)
     return fetch(model_cfg, cache)
 
 
@@ -75,6 +85,103 @@ def fetch(model_cfg, cache: str | None) -> int:
                           f"fetch` on a machine with internet (a login node)") from None
     print(f"{weights.label}: {path} (sha256 {pretrained.verify(weights, path)})")
     return 0
+
+
+def fetch_hf(model_cfg, cache: str | None) -> int:
+    """`model=hf`: the model's snapshot, in the hub cache's own layout, by huggingface_hub's own
+    downloader, with the files a run loads only (hf.FETCHED: never pickled weights); then
+    checked as a run checks it, and each file's sha256 printed."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils import logging as hf_logging
+
+    from labrun.models import hf
+
+    hf_logging.set_verbosity_error()  # its retries would print a line each; the outcome is ours
+    # huggingface_hub's HTTP client (httpx2, not the httpx the CLI quiets) logs each request.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    if not sys.stderr.isatty():  # progress bars for a person at a terminal, not for a log
+        disable_progress_bars()
+    name, revision = model_cfg.get("name"), model_cfg.get("revision")
+    if not name or name == "???":
+        raise ConfigError("labrun weights fetch model=hf needs model.name: the hub's id of the "
+                          "model, as in model.name=bert-base-uncased")
+    try:
+        found = hf.locate(name, revision, cache)
+    except ConfigError:
+        found = None  # not there, or not whole: fetched (again) below
+    if found is not None and complete(found):
+        print_files(found)
+        print(f"hf:{name}@{found.revision}: already at {found.folder} (its files named by "
+              f"sha256 on the hub match it)")
+        return 0
+
+    url = f"{constants.ENDPOINT}/{name}"
+    hub = hf.hub_caches(cache)[0]  # where locate looks first: WEIGHTS/hub, else HF_HUB_CACHE
+    # Asked once first: snapshot_download retries an unreachable hub before it says so, and
+    # this fails at once, before anything is written to the cache.
+    try:
+        info = HfApi().model_info(name, revision=revision or "main")
+    except RevisionNotFoundError:
+        raise ConfigError(f"model.revision={revision}: {url} has no such revision (a commit, a "
+                          f"branch or a tag); see {url}/commits/main") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(f"model.name={name}: the hub has no model {url}, or it is private or "
+                          f"gated (log in with `hf auth login`, or set HF_TOKEN)") from None
+    except Exception as error:  # the HTTP client's: no route, no name, refused; a 5xx
+        raise unreachable(url, error) from None
+    print(f"hf:{name}@{info.sha}: fetching {url} ({revision or 'main'}) into {hub}")
+    try:
+        snapshot_download(repo_id=name, revision=revision or "main", cache_dir=hub,
+                          allow_patterns=list(hf.FETCHED))
+    except Exception as error:  # the connection lost on the way: fetch again to complete it
+        raise unreachable(url, error) from None
+    snapshot = hf.locate(name, revision, cache)  # refuses what a run could not load, in one line
+    print_files(snapshot)
+    print(f"hf:{name}@{snapshot.revision}: {snapshot.folder}")
+    return 0
+
+
+def complete(snapshot) -> bool:
+    """Whether the snapshot holds every file of hf.FETCHED that the repository has, as
+    huggingface_hub tells from the listing of the commit it kept at the fetch
+    (models--*/trees/COMMIT.json): a fetch cut short may leave the config, the weights and
+    tokenizer.json, which a run checks, without their companions (tokenizer_config.json)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from labrun.models import hf
+
+    hub = snapshot.folder.parents[2]  # HUB/models--ORG--NAME/snapshots/COMMIT
+    try:
+        snapshot_download(repo_id=snapshot.name, revision=snapshot.revision, cache_dir=hub,
+                          allow_patterns=list(hf.FETCHED), local_files_only=True)
+    except LocalEntryNotFoundError:  # IncompleteSnapshotError among them
+        return False
+    return True
+
+
+def print_files(snapshot) -> None:
+    """One line per file of the snapshot, with its sha256, checked against the blob it links
+    to where that is named by its sha256 (the hub's large files; its small ones are named by
+    their git hash)."""
+    from labrun.models import pretrained
+
+    label = f"hf:{snapshot.name}@{snapshot.revision}"
+    for path in sorted(p for p in snapshot.folder.rglob("*") if p.is_file()):
+        digest = pretrained.sha256(path)
+        blob = path.resolve().name
+        if path.is_symlink() and len(blob) == 64 and blob != digest:
+            raise ConfigError(f"{path}: its sha256 {digest[:16]}... does not match the published "
+                              f"{blob[:16]}: the file is damaged; remove {path.resolve()} and "
+                              f"fetch again")
+        print(f"{label} {path.relative_to(snapshot.folder)} sha256 {digest}")
+
+
+def unreachable(url: str, error: BaseException) -> LabrunError:
+    return LabrunError(f"could not fetch {url}: {reason(error)}; run `labrun weights fetch` on a "
+                       f"machine with internet (a login node)")
 
 
 def reason(error: BaseException) -> str:

@@ -208,3 +208,32 @@ class PythonDocsConfig:
     folder: str = key(MISSING, path=True, resume_safe=True, affects_result=False)
     block_size: int = 256
     num_workers: int = key(0, resume_safe=True, affects_result=False)
+
+
+@dataclass
+class TextConfig:
+    """Labelled text for task=text_classification (data/text.py): CSV, JSONL or Parquet files,
+    or a folder saved by Hugging Face `datasets`; tokenized once by the model's tokenizer into a
+    token cache."""
+    new_keys: ClassVar[NewKeys] = NewKeys.TARGET
+
+    _target_: str = MISSING  # labrun.data.text.load
+    name: str = MISSING
+    # A file (the train split; val held out by val_fraction), or a folder of train/val/test
+    # files (.csv, .jsonl, .parquet) or of `datasets.save_to_disk`.
+    path: str = key(MISSING, must_exist=True, resume_safe=True)
+    text_column: str = "text"
+    text_pair_column: str | None = None  # a second text: sentence pairs (NLI, paraphrase)
+    label_column: str = "label"
+    # The label names in id order; null: the train split's labels, sorted.
+    class_names: list[str] | None = None
+    val_fraction: float = 0.1  # held out of train when there is no val split
+    max_length: int = 128  # tokens, special ones included; longer texts are truncated
+    # The tokenizer: the snapshot of this model in the weights cache (model=hf's: model.name).
+    tokenizer: str | None = None
+    revision: str | None = None
+    weights_cache: str | None = key(None, path=True, resume_safe=True, affects_result=False)
+    length_grouped: bool = True  # batches of texts of similar length: less padding
+    pad_to_multiple_of: int = 1  # a batch's length rounded up to it (8 under AMP: text.yaml)
+    cache_dir: str = key(MISSING, path=True, resume_safe=True, affects_result=False)
+    num_workers: int = key(0, resume_safe=True, affects_result=False)

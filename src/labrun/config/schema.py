@@ -38,6 +38,7 @@ from labrun.config.dataset_schema import (
     ShapesBoxesConfig,
     ShapesConfig,
     SyntheticConfig,
+    TextConfig,
     TokensConfig,
     YOLOConfig,
 )
@@ -248,6 +249,18 @@ class GPTConfig(ModelConfig):
 
 
 @dataclass
+class HFModelConfig(ModelConfig):
+    """A Hugging Face transformers model for text classification (models/hf.py), its body
+    pretrained, read from the hub cache's snapshot that `labrun weights fetch model=hf` left."""
+    name: str = MISSING  # the hub's id: bert-base-uncased, org/model
+    # A commit, branch or tag; null: the commit refs/main names in the cache, recorded in every
+    # checkpoint.
+    revision: str | None = None
+    weights_cache: str | None = key(None, path=True, resume_safe=True, affects_result=False)
+    dropout: float | None = None  # null: the model's own (BERT's hidden and attention dropout)
+
+
+@dataclass
 class OptimizerConfig:
     new_keys: ClassVar[NewKeys] = NewKeys.TARGET
 
@@ -406,6 +419,7 @@ SCHEMAS: dict[str, Any] = {
     "dataset/det_hdf5": DetHDF5Config,
     "dataset/tokens": TokensConfig,
     "dataset/python_docs": PythonDocsConfig,
+    "dataset/text": TextConfig,
     "model/simple_cnn": SimpleCNNConfig,
     "model/torchvision": TorchvisionModelConfig,
     "model/timm": TimmModelConfig,
@@ -414,6 +428,7 @@ SCHEMAS: dict[str, Any] = {
     "model/torchvision_det": TorchvisionDetModelConfig,
     "model/fcos": FCOSModelConfig,
     "model/gpt": GPTConfig,
+    "model/hf": HFModelConfig,
     "optimizer/sgd": SGDConfig,
     "optimizer/adamw": AdamWConfig,
     "schedule/cosine": CosineScheduleConfig,

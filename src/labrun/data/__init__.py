@@ -72,12 +72,15 @@ def _plain(value: Any) -> Any:
 def epoch_loader(samples: Dataset, *, train: bool, micro_batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, samples_per_step: int = 1,
                  pin_memory: bool = False, num_workers: int = 0, name: str = "the data",
-                 collate_fn: Callable | None = None) -> DataLoader:
+                 collate_fn: Callable | None = None, sampler: EpochSampler | None = None
+                 ) -> DataLoader:
     """A loader of `samples` (a Dataset indexed by (epoch, index) keys, len() the number of
     samples) in EpochSampler's order, with exact resume and DDP sharding: the image formats',
-    and that of a format making its own loaders (data/tokens.py, a lab's own)."""
-    sampler = EpochSampler(len(samples), seed, rank, world_size, shuffle=train,
-                           multiple=samples_per_step if train else 1, pad=train)
+    and that of a format making its own loaders (data/tokens.py, a lab's own). `sampler`: an
+    EpochSampler of another order for the same keys (data/text.py groups by length)."""
+    if sampler is None:
+        sampler = EpochSampler(len(samples), seed, rank, world_size, shuffle=train,
+                               multiple=samples_per_step if train else 1, pad=train)
     if train and len(sampler) == 0:
         raise DataError(f"{name} has {len(samples)} samples, fewer than one optimizer step "
                         f"({samples_per_step * world_size}); lower trainer.batch_size")
@@ -127,12 +130,15 @@ class EpochSampler(Sampler):
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
+    def order(self) -> list[int]:
+        """Every sample of the epoch, in the order all ranks share (before sharding)."""
+        if not self.shuffle:
+            return list(range(self.size))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.size, generator=generator).tolist()
+
     def indices(self) -> list[int]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(self.size, generator=generator).tolist()
-        else:
-            order = list(range(self.size))
+        order = self.order()
         if self.pad and self.size % self.world_size:
             total = math.ceil(self.size / self.world_size) * self.world_size
             order = (order * math.ceil(total / self.size))[:total]

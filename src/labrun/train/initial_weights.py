@@ -131,12 +131,16 @@ def _unwrapped(name: str) -> str:
 
 def head_keys(model_cfg: DictConfig, model: nn.Module, num_classes: int | None) -> set[str]:
     """The state-dict keys of the model's class head, which the head swap may re-initialise:
-    none for a model without classes (a language model's vocabulary is refused elsewhere)."""
+    none for a model without classes (a language model's vocabulary is refused elsewhere). A
+    transformers model's head is what lies outside its body (BERT's pooler is the body's)."""
     own = model.state_dict()
     classifier = getattr(model, "pretrained_cfg", {}).get("classifier")  # timm's own name
     if classifier:
         names = (classifier,) if isinstance(classifier, str) else tuple(classifier)
         return {key for key in own if any(key.startswith(f"{name}.") for name in names)}
+    body = getattr(model, "base_model_prefix", None)  # transformers': the body's attribute
+    if body and isinstance(getattr(model, body, None), nn.Module):
+        return {key for key in own if not key.startswith(f"{body}.")}
     if num_classes is None:
         return set()
     with torch.device("meta"):

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from labrun import data
 from labrun.config import facts, validation
-from labrun.core import environment
+from labrun.core import environment, hub_cache
 from labrun.core.errors import ConfigError, LabrunError, RunInterrupted, one_line
 from labrun.core.project import project_dir
 from labrun.monitoring import metrics_endpoint
@@ -44,6 +44,8 @@ MOVED_TARGETS = {"labrun.schedules.": "labrun.train.schedules."}
 
 
 def train(cfg: DictConfig) -> float | None:
+    if not cfg.model.get("download", False):  # model.download=true: this run may fetch weights
+        hub_cache.hub_offline()  # before validation, which may import huggingface_hub
     validation.validate(cfg)
     # Rank 0 holds the run folder (runs/lock.py): taken already by the Hydra callback or the
     # launcher before Hydra wrote in it; taken here on any other way in (a Hydra launcher not

@@ -34,13 +34,23 @@ class StepWindow:
         # The parts of the loss a task reports (detection's: loss_classifier, ...), summed
         # like `loss`: tensors on the device, read at the log point only.
         self.parts: dict[str, torch.Tensor] = {}
+        # What the task counts in its batches (text's tokens and padding: task.tally), host
+        # numbers summed over the window.
+        self.tally: dict[str, float] = {}
 
     def add_parts(self, parts: dict[str, torch.Tensor]) -> None:
         for name, value in parts.items():
             self.parts[name] = self.parts.get(name, 0) + value
 
+    def add_tally(self, counted: dict[str, float]) -> None:
+        for name, value in counted.items():
+            self.tally[name] = self.tally.get(name, 0) + value
+
     def metrics(self, lr: float, units: dict[str, int]) -> dict[str, float]:
-        """`units`: what a sample holds (the task's: {"tokens": 256}), each a perf/UNIT_per_s."""
+        """`units`: what a sample holds (the task's: {"tokens": 256}), each a perf/UNIT_per_s.
+        What the task tallied per batch ({"tokens": 3100, "padding": 740}) gives a
+        perf/NAME_per_s each and, of two or more, each one's share of their sum
+        (perf/padding_frac)."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         samples_per_s = self.samples / elapsed
         # Each step's loss is already the mean over ranks (Trainer.train_step).
@@ -50,7 +60,15 @@ class StepWindow:
         return {"train/loss": self.loss.item() / steps, **parts, "train/lr": lr,
                 "perf/samples_per_s": samples_per_s,
                 **{f"perf/{unit}_per_s": samples_per_s * n for unit, n in units.items()},
+                **{f"perf/{name}_per_s": value / elapsed for name, value in self.tally.items()},
+                **self._shares(),
                 "perf/data_wait_frac": self.wait / elapsed}
+
+    def _shares(self) -> dict[str, float]:
+        total = sum(self.tally.values())
+        if len(self.tally) < 2 or total <= 0:
+            return {}
+        return {f"perf/{name}_frac": value / total for name, value in self.tally.items()}
 
 
 def _format(metrics: dict[str, float]) -> str:

@@ -33,6 +33,10 @@ batch)`, timm's `TrainingTask`). A task is a class with:
     units: dict[str, int]                         optional: what a sample holds, for
                                                   throughput: perf/UNIT_per_s beside
                                                   perf/samples_per_s ({"tokens": 256})
+    tally(batch) -> dict[str, number]             optional: what a batch of the loader holds
+                                                  when samples differ ({"tokens": 3100,
+                                                  "padding": 740}, on the host): perf/NAME_per_s
+                                                  and each one's share (perf/padding_frac)
 
     deploy: str                                   optional: the dotted path of the task's
                                                   deploy module (below)

@@ -107,6 +107,7 @@ class Trainer:
         self.scaler, self.autocast = self.precision.scaler, self.precision.autocast
 
         self.task.setup(data.info, self.device, self.memory_format)
+        self.tally = getattr(self.task, "tally", None)  # what the task counts in a batch
 
         self.epoch = 0  # the epoch in progress (0-based)
         self.position = 0  # samples of this epoch's order already trained on, on this rank
@@ -254,6 +255,10 @@ class Trainer:
         micro_batches = [next(batches) for _ in range(accumulation)]
         waited = time.perf_counter() - wait_start
         window.wait += waited
+        if self.tally is not None:  # counted on the loader's batches, on the host: no wait
+            for batch in micro_batches:
+                window.add_tally({name: value * self.dist.world_size  # every rank's, as samples
+                                  for name, value in self.tally(batch).items()})
         self.stats.data_wait_s += waited
         step_loss, loss_parts = self.backward(micro_batches)
         # fp16's GradScaler skips non-finite steps itself. Otherwise nan_policy=stop notes the
