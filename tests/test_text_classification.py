@@ -44,6 +44,7 @@ def test_text_tiny_learns_offline_and_logs_tokens_and_padding(text_run, text_ass
     commit = (text_assets / "weights" / "hub" / "models--labrun--tiny-bert" / "refs" /
               "main").read_text()
     assert state["hf"]["name"] == "labrun/tiny-bert" and state["hf"]["revision"] == commit
+    assert state["hf"]["offline"] is True  # huggingface_hub was offline when the model loaded
     assert state["class_names"] == ["sport", "tech", "weather"]
     assert json.loads(state["tokenizer"]["json"])["model"]["type"] == "WordPiece"
 
@@ -231,3 +232,40 @@ def test_two_processes_train_as_one(text_assets, tmp_path):
     two, one = (read_summary(tmp_path / d) for d in ("two", "one"))
     assert abs(two["val/loss"] - one["val/loss"]) <= DDP_LOSS_TOLERANCE
     assert (two["val/acc"], two["val/f1"]) == (one["val/acc"], one["val/f1"])
+
+
+def test_the_head_is_what_lies_outside_the_body_and_trains_at_its_own_rate(text_assets):
+    from omegaconf import OmegaConf
+
+    from labrun import models
+    from labrun.train import fine_tuning, initial_weights
+
+    model_cfg = OmegaConf.create({"_target_": "labrun.models.hf.hf_model", "_partial_": True,
+                                  "name": "labrun/tiny-bert",
+                                  "weights_cache": str(text_assets / "weights")})
+    model = models.build(model_cfg, 3)
+    head = initial_weights.head_keys(model_cfg, model, 3)
+    assert head == {"classifier.weight", "classifier.bias"}  # BERT's pooler is the body's
+    groups = fine_tuning.parameters(model, OmegaConf.create({"lr": 0.1, "backbone_lr_mult": 0.01}),
+                                    lambda: head)
+    assert [(len(g["params"]), g["lr"]) for g in groups] == [
+        (2, 0.1), (len(list(model.parameters())) - 2, pytest.approx(0.001))]
+
+
+def test_parquet_and_a_datasets_folder_read_as_csv_does(text_assets, tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": f"{word} today", "label": label} for word, label in
+            [("rain", "weather"), ("goal", "sport"), ("chip", "tech")] * 10]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    split = datasets.Dataset.from_list(rows)
+    datasets.DatasetDict({"train": split, "validation": split.select(range(6))}).save_to_disk(
+        str(tmp_path / "saved"))
+    from_parquet = load(text_assets, tmp_path, tmp_path / "train.parquet")
+    from_folder = load(text_assets, tmp_path, tmp_path / "saved")
+    assert from_parquet.splits == {"train": 27, "val": 3}  # val held out: 10 %
+    assert from_folder.splits == {"train": 30, "val": 6}  # its own validation split
+    assert from_parquet.info["class_names"] == from_folder.info["class_names"] == [
+        "sport", "tech", "weather"]

@@ -67,7 +67,11 @@ def hf_model(num_classes: int, name: str, revision: str | None = None,
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
         str(snapshot.folder), num_labels=num_classes, local_files_only=True,
         use_safetensors=True, trust_remote_code=False, ignore_mismatched_sizes=True, **extra)
-    model.labrun_snapshot = snapshot.record()  # what the task records in its checkpoints
+    from huggingface_hub import constants
+
+    # What the task records in its checkpoints: the snapshot, and that the hub was off while
+    # this process loaded it (the job's switch, train/job.py, held whatever came first).
+    model.labrun_snapshot = {**snapshot.record(), "offline": constants.HF_HUB_OFFLINE}
     return model
 
 
