@@ -19,7 +19,6 @@ from conftest import (
     max_difference,
     read_metrics,
     read_summary,
-    run_labrun,
     run_train,
     start_train,
     text_preset,
@@ -52,8 +51,10 @@ def test_text_tiny_learns_offline_and_logs_tokens_and_padding(text_run, text_ass
 def test_eval_gives_the_best_validations_figures_again(text_run, tmp_path):
     import shutil
 
+    from labrun import cli
+
     run = shutil.copytree(text_run, tmp_path / "run")  # eval writes into the run's folder
-    run_labrun("eval", str(run), "--split", "val")
+    assert cli.main(["eval", str(run), "--split", "val"]) == 0
     evaluated = json.loads((run / "eval" / "text-val-best.json").read_text())["metrics"]
     best = read_summary(run)["best/val/f1"]
     logged = next(m for m in read_metrics(run) if m.get("val/f1") == best)

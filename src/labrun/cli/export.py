@@ -18,8 +18,11 @@ log = logging.getLogger(__name__)
 def configure(parser) -> None:
     parser.add_argument("source", metavar="RUN_DIR|CHECKPOINT",
                         help="a run folder (uses checkpoints/best.pt) or a checkpoint file")
-    parser.add_argument("--format", choices=sorted(FORMATS), default="onnx", dest="fmt",
-                        help="onnx (default) or torchscript")
+    # No argparse choices: a run's deploy module may add formats (EXTRA_FORMATS), known only
+    # once its checkpoint is read; export() refuses any other in one line.
+    parser.add_argument("--format", default="onnx", dest="fmt",
+                        help=f"{', '.join(FORMATS)} (default onnx), or a format the run's "
+                             f"task adds (its deploy module's EXTRA_FORMATS, such as hf)")
     parser.add_argument("--fp16", action="store_true",
                         help="export a half-precision model (needs a CUDA GPU)")
     parser.add_argument("--out", type=Path, default=None,
@@ -40,5 +43,6 @@ def run(args) -> int:
     result = export.export(Path(args.source), out=args.out, fmt=args.fmt, which=args.which,
                            fp16=args.fp16, opset=args.opset, exporter=args.exporter,
                            check_data=None if args.no_check else "val", verbose=True)
-    log.info("metadata: %s", metadata_path(result.path))
+    if metadata_path(result.path).is_file():  # a task's own format may carry none
+        log.info("metadata: %s", metadata_path(result.path))
     return 0

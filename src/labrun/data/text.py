@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -123,7 +124,7 @@ def _text_of(path: Path) -> str:
 
 
 def _csv_rows(path: Path) -> Iterator[dict[str, Any]]:
-    yield from csv.DictReader(_text_of(path).splitlines())
+    yield from csv.DictReader(io.StringIO(_text_of(path), newline=""))  # quoted line breaks kept
 
 
 def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:

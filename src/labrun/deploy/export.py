@@ -1,4 +1,5 @@
 """`labrun export RUN_DIR|CHECKPOINT --format onnx|torchscript`: a deployable model + metadata.
+(A deploy module may add formats of its own, EXTRA_FORMATS: labrun.deploy.hooks.)
 
     checkpoint (weights_only) -> the deploy module it names (labrun.deploy.hooks)
         -> its export_plan: the eager model with the checkpoint's weights, an example input,
@@ -81,10 +82,22 @@ def export(source: Path, *, out: Path | None = None, fmt: str = "onnx", which: s
         raise LabrunError(f"{checkpoint}: the checkpoint has no 'config' entry; export needs "
                           f"a checkpoint written by labrun's trainer")
     deploy = hooks.of_checkpoint(state, checkpoint)  # before anything is built or written
+    extra = getattr(deploy, "EXTRA_FORMATS", {})
+    if fmt not in FORMATS and fmt not in extra:
+        raise LabrunError(f"--format {fmt}: a task={deploy.TASK} run exports to "
+                          f"{', '.join([*FORMATS, *extra])}")
     cfg = state["config"]
     out = out or default_output(checkpoint, run_dir, fmt, fp16)
     if out.resolve() == checkpoint.resolve():
         raise LabrunError(f"--out {out} is the checkpoint being exported; choose another path")
+    if fmt in extra:  # the deploy module's own format, written its own way, in fp32
+        if fp16:
+            raise LabrunError(f"--fp16 exports onnx and torchscript; --format {fmt} writes the "
+                              f"fp32 weights: drop --fp16")
+        result = extra[fmt](for_inference(state), checkpoint, out)
+        if verbose:
+            log.info(f"exported {checkpoint} -> {result.path} ({fmt})")
+        return result
     dtype = torch.float16 if fp16 else torch.float32
     target = Target(fmt, dtype, device or ("cuda" if fp16 else "cpu"), check_data)
     # "model" is the weights to deploy: the EMA's when the run kept one (trainer.ema).
@@ -155,8 +168,10 @@ class Plan:
     """What a task's deploy module gives an export (its export_plan)."""
 
     model: torch.nn.Module  # eager, fp32, with the checkpoint's weights
-    example: torch.Tensor  # an input to trace with, on the device, of the exported dtype
-    axes: dict[int, tuple[str, int | None]]  # the input's dynamic axes: name, largest size
+    # An input to trace with, on the device, of the exported dtype; a tuple for a model of
+    # several inputs (its forward's arguments, in order, named by `inputs`).
+    example: torch.Tensor | tuple[torch.Tensor, ...]
+    axes: dict[int, tuple[str, int | None]]  # every input's dynamic axes: name, largest size
     # The parity check of a written file against the eager model (None: no check): its
     # figures, with "passed" and, when it failed, "failure" (one line saying why).
     check: Callable[[Path, torch.nn.Module], dict[str, Any]] | None
@@ -168,6 +183,7 @@ class Plan:
     # The ONNX exporters `--exporter auto` tries, in order (None: dynamo, then legacy): a
     # model whose graph only one of them can export names that one.
     exporters: tuple[str, ...] | None = None
+    inputs: tuple[str, ...] = ("input",)  # the inputs' names in the file
 
 
 def write_checked(plan: Plan, out: Path, target: Target, exporter: str, opset: int,
@@ -184,7 +200,7 @@ def write_checked(plan: Plan, out: Path, target: Target, exporter: str, opset: i
         try:
             with atomic_path(out) as tmp:  # `out` appears only once it passed the parity check
                 write_model(to_export, plan.example, tmp, target.fmt, name, opset, plan.axes,
-                            plan.output, plan.output_axes)
+                            plan.output, plan.output_axes, plan.inputs)
                 check = None
                 if plan.check is not None:
                     check = plan.check(tmp, reference)
@@ -216,7 +232,8 @@ def find_checkpoint(source: Path, which: str) -> tuple[Path, RunDir | None]:
 
 def default_output(checkpoint: Path, run_dir: RunDir | None, fmt: str, fp16: bool) -> Path:
     folder = run_dir.export_dir if run_dir else checkpoint.parent
-    return folder / f"{checkpoint.stem}{'-fp16' if fp16 else ''}{FORMATS[fmt]}"
+    suffix = FORMATS.get(fmt, f"-{fmt}")  # a deploy module's own format: best-hf, say
+    return folder / f"{checkpoint.stem}{'-fp16' if fp16 else ''}{suffix}"
 
 
 def build_model(cfg: dict[str, Any], sizes: dict[str, int], weights: dict[str, torch.Tensor],
@@ -276,13 +293,17 @@ def exporters(fmt: str, choice: str, preferred: tuple[str, ...] | None = None) -
     return list(preferred or ("dynamo", "legacy"))
 
 
-def write_model(model: torch.nn.Module, example: torch.Tensor, path: Path, fmt: str,
-                exporter: str, opset: int,
+def write_model(model: torch.nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...],
+                path: Path, fmt: str, exporter: str, opset: int,
                 axes: dict[int, tuple[str, int | None]] = BATCH_AXIS, output: str = "logits",
-                output_axes: dict[int, str] | None = None) -> None:
-    """The model as `fmt`, its input's `axes` dynamic (the output's leading axes follow them
+                output_axes: dict[int, str] | None = None,
+                inputs: tuple[str, ...] = ("input",)) -> None:
+    """The model as `fmt`, its inputs' `axes` dynamic (the output's leading axes follow them
     unless `output_axes` names its own; tracing keeps shapes dynamic by itself)."""
+    examples = example if isinstance(example, tuple) else (example,)
     names = {axis: name for axis, (name, _) in axes.items()}
+    # One Dim per axis, shared by every input: torch.export then knows their sizes are equal.
+    dims = {axis: torch.export.Dim(name, max=largest) for axis, (name, largest) in axes.items()}
     out_names = names if output_axes is None else output_axes
     with torch.no_grad(), warnings.catch_warnings():
         # Both torch.jit and the legacy ONNX exporter warn that they are deprecated; the
@@ -292,18 +313,21 @@ def write_model(model: torch.nn.Module, example: torch.Tensor, path: Path, fmt: 
         # Shape checks in a forward (the GPT's window length) become constants of a trace: the
         # parity check then runs the traced file at other shapes, which is what matters.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        # Inputs that share their axes (a text's ids and mask) share their Dims, and the dynamo
+        # exporter says it names each axis once: they are named all the same.
+        warnings.filterwarnings("ignore", message=".*The axis name", category=UserWarning)
         if fmt == "torchscript":
-            torch.jit.trace(model, example, check_trace=False).save(str(path))
+            torch.jit.trace(model, examples, check_trace=False).save(str(path))
         elif exporter == "dynamo":
-            torch.onnx.export(model, (example,), str(path), dynamo=True, verbose=False,
-                              input_names=["input"], output_names=[output],
-                              dynamic_shapes=({axis: torch.export.Dim(name, max=largest)
-                                               for axis, (name, largest) in axes.items()},),
+            torch.onnx.export(model, examples, str(path), dynamo=True, verbose=False,
+                              input_names=list(inputs), output_names=[output],
+                              dynamic_shapes=tuple(dims for _ in examples),
                               opset_version=opset, external_data=False)
         else:
-            torch.onnx.export(model, (example,), str(path), dynamo=False,
-                              input_names=["input"], output_names=[output],
-                              dynamic_axes={"input": names, output: out_names},
+            torch.onnx.export(model, examples, str(path), dynamo=False,
+                              input_names=list(inputs), output_names=[output],
+                              dynamic_axes={**{name: names for name in inputs},
+                                            output: out_names},
                               opset_version=opset)
 
 

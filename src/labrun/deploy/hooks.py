@@ -34,6 +34,13 @@ A deploy module defines:
                                 what it does with them; open_model() loads the model, after
                                 the arguments are checked (nothing loads for a mistake)
 
+and may define:
+
+    EXTRA_FORMATS               {format: write(state, checkpoint, out) -> export.Exported}:
+                                `labrun export --format FORMAT` beside onnx and torchscript,
+                                written by the module alone (labrun.tasks.text's hf: a folder
+                                transformers loads); `out` defaults to EXPORT_DIR/best-FORMAT
+
 docs/plugins.md ("Add a task") walks through them with examples/regression.
 """
 

@@ -3,6 +3,7 @@ and images decoded as the training data pipeline decodes them.
 
     run = open_runtime(MODEL, fmt)    MODEL: model.onnx | model.torchscript.pt; run(array) ->
                                       float32 array, on the GPU when the runtime has one
+                                      (run(a, b, ...): a model of several inputs, in order)
     meta = read_metadata(MODEL)       the metadata JSON that `labrun export` wrote beside it,
                                       checked against the keys its task's deploy module reads
     open_image(bytes, decoder)        an upload's image, refused (ImageError) when it is no
@@ -115,10 +116,11 @@ def onnx_runtime(path: Path, threads: int | None = None) -> Callable[[np.ndarray
     except Exception as error:  # onnxruntime raises its own untyped errors for bad files
         raise LabrunError(f"{path}: onnxruntime cannot load it ({one_line(error)}); "
                           f"re-export it with `labrun export RUN_DIR --format onnx`") from None
-    input_name = session.get_inputs()[0].name
+    input_names = [i.name for i in session.get_inputs()]
 
-    def run(batch: np.ndarray) -> np.ndarray:
-        return session.run(None, {input_name: batch})[0].astype(np.float32, copy=False)
+    def run(*batch: np.ndarray) -> np.ndarray:
+        feed = dict(zip(input_names, batch, strict=True))
+        return session.run(None, feed)[0].astype(np.float32, copy=False)
 
     run.device = "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
     return run
@@ -139,9 +141,9 @@ def torchscript_runtime(path: Path, threads: int | None = None
                           f"re-export it with `labrun export RUN_DIR --format torchscript`"
                           ) from None
 
-    def run(batch: np.ndarray) -> np.ndarray:
+    def run(*batch: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            logits = module(torch.from_numpy(batch).to(device))
+            logits = module(*(torch.from_numpy(array).to(device) for array in batch))
         return logits.float().cpu().numpy()
 
     run.device = device
