@@ -270,3 +270,17 @@ def test_parquet_and_a_datasets_folder_read_as_csv_does(text_assets, tmp_path):
     assert from_folder.splits == {"train": 30, "val": 6}  # its own validation split
     assert from_parquet.info["class_names"] == from_folder.info["class_names"] == [
         "sport", "tech", "weather"]
+
+
+def test_integer_labels_are_ids_and_digit_names_stay_names(text_assets, tmp_path):
+    rows = "text,label\n" + "".join(f"{w} today,{n}\n" for w, n in
+                                     [("rain", 2), ("goal", 0), ("storm", 10)] * 4)
+    (tmp_path / "ids.csv").write_text(rows)
+    loaded = load(text_assets, tmp_path, tmp_path / "ids.csv", val_fraction=0.25)
+    assert loaded.info["class_names"] == [str(n) for n in range(11)]  # 10 after 2, 1 kept
+    labels = np.concatenate([np.load(loaded.folder / s / "labels.npy") for s in ("train", "val")])
+    assert sorted(set(labels.tolist())) == [0, 2, 10]
+    named = load(text_assets, tmp_path, tmp_path / "ids.csv", val_fraction=0.25,
+                 class_names=["10", "2", "0"])  # names that are digits: matched as names
+    labels = np.load(named.folder / "train" / "labels.npy").tolist()
+    assert set(labels) == {0, 1, 2} and len(labels) == 9

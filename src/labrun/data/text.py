@@ -31,6 +31,7 @@ import csv
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -44,6 +45,8 @@ import torch
 from labrun.core import hub_cache
 from labrun.core.errors import DataError
 from labrun.data import EpochSampler, epoch_loader
+
+log = logging.getLogger(__name__)
 
 FORMAT = 1
 SUFFIXES = (".csv", ".jsonl", ".parquet")
@@ -191,20 +194,25 @@ def _key(columns: Columns, column: str) -> str:
             columns.label: "label_column"}[column]
 
 
+def as_id(label: Any) -> int | None:
+    """An integer label (JSON's 3, a CSV's "3"): a class id; None for a name."""
+    if isinstance(label, int) and not isinstance(label, bool):
+        return label
+    if isinstance(label, str) and label.strip().isdigit():
+        return int(label)
+    return None
+
+
 def label_ids(examples: list[Example], names: list[str]) -> np.ndarray:
-    """Each example's label id: a name's place in `names`, or an integer id within them."""
+    """Each example's label id: a name's place in `names` (names may be digits), else an
+    integer label within them."""
     index = {name: i for i, name in enumerate(names)}
     ids = np.empty(len(examples), dtype=np.int64)
     for i, example in enumerate(examples):
         label = example.label
-        if isinstance(label, bool) or not isinstance(label, str | int):
-            found = None
-        elif isinstance(label, int):
-            found = label if 0 <= label < len(names) else None
-        else:
-            found = index.get(label)
-            if found is None and label.strip().lstrip("-").isdigit() and label not in index:
-                found = index.get(str(int(label)))
+        found = index.get(label) if isinstance(label, str) else None
+        if found is None and (number := as_id(label)) is not None and number < len(names):
+            found = number
         if found is None:
             shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
             raise DataError(f"{example.where}: label {label!r} is not one of the class names "
@@ -215,11 +223,13 @@ def label_ids(examples: list[Example], names: list[str]) -> np.ndarray:
 
 
 def class_names_of(examples: list[Example]) -> list[str]:
-    """The train split's labels, sorted (integers in numeric order), as names."""
-    labels = {example.label for example in examples}
-    if all(isinstance(label, int) and not isinstance(label, bool) for label in labels):
-        return [str(label) for label in range(max(labels) + 1)]
-    return sorted(str(label) for label in labels)
+    """The train split's labels as names: ids 0 to the largest when every label is an integer
+    (a class absent from train keeps its id), else the names sorted."""
+    labels = [example.label for example in examples]
+    numbers = [as_id(label) for label in labels]
+    if all(number is not None for number in numbers):
+        return [str(number) for number in range(max(numbers) + 1)]
+    return sorted({str(label) for label in labels})
 
 
 # -- the token cache ---------------------------------------------------------------------------
@@ -484,6 +494,10 @@ def load(path: str, tokenizer: str | None, cache_dir: str, text_column: str = "t
     if not (folder / META).is_file():
         build_cache(folder, sources, snapshot.tokenizer_file, settings)
     meta = json.loads((folder / META).read_text())
+    sizes = ", ".join(f"{n:,} {split}" for split, n in meta["sizes"].items())
+    cut = ", ".join(f"{n:,} {split}" for split, n in meta["truncated"].items() if n)
+    log.info(f"dataset=text: {sizes} examples, {len(meta['class_names'])} classes; "
+             f"{f'truncated at max_length={max_length}: {cut}' if cut else 'none truncated'}")
     loaded = load_tokenizer(snapshot.tokenizer_file, max_length)
     return TextData(folder, meta, tokenizer_record(snapshot.tokenizer_file), pad_id_of(loaded),
                     max(1, pad_to_multiple_of), length_grouped, num_workers)
