@@ -91,6 +91,16 @@ def test_a_model_missing_from_the_cache_is_refused_before_data_loads(text_assets
     assert not (tmp_path / "processed").exists()  # no token cache begun
 
 
+def test_texts_longer_than_the_models_positions_are_refused_before_data_loads(text_assets,
+                                                                              composed):
+    from labrun.config import validation
+
+    cfg = composed(*text_preset(text_assets, "dataset.max_length=512"))
+    with pytest.raises(ConfigError, match=r"dataset.max_length=512 is beyond the 128 "
+                                          r"positions labrun/tiny-bert knows"):
+        validation.validate(cfg)
+
+
 def load(assets: Path, tmp_path: Path, path: Path, **keys):
     from labrun.data import text
 

@@ -65,15 +65,29 @@ class TextClassification:
                               f"not one")
         snapshot = hub_cache.locate(cfg.model.name, cfg.model.get("revision"),
                                     cfg.model.get("weights_cache"))
+        config = snapshot.config()
+        positions = config.get("max_position_embeddings")
+        if positions is not None and cfg.dataset.max_length > positions:
+            raise ConfigError(f"dataset.max_length={cfg.dataset.max_length} is beyond the "
+                              f"{positions} positions {cfg.model.name} knows; use "
+                              f"dataset.max_length<={positions}")
         if cfg.dataset.get("tokenizer") not in (None, cfg.model.name):
-            hub_cache.locate(cfg.dataset.tokenizer, cfg.dataset.get("revision"),
-                             cfg.dataset.get("weights_cache"))
+            other = hub_cache.locate(cfg.dataset.tokenizer, cfg.dataset.get("revision"),
+                                     cfg.dataset.get("weights_cache"))
+            from tokenizers import Tokenizer
+
+            vocab = Tokenizer.from_file(str(other.tokenizer_file)).get_vocab_size()
+            if vocab > config.get("vocab_size", vocab):
+                raise ConfigError(f"dataset.tokenizer={cfg.dataset.tokenizer}: its {vocab:,} "
+                                  f"tokens are beyond {cfg.model.name}'s vocabulary of "
+                                  f"{config['vocab_size']:,}; tokenize with the model's own "
+                                  f"(dataset.tokenizer=null)")
         if fine_tune_keys.asked(cfg):
             from labrun.models import hf
             from labrun.train import fine_tuning
 
             classes = len(cfg.dataset.class_names or ["a", "b"])
-            fine_tuning.check(cfg, lambda: hf.from_config(snapshot.config(), classes), classes)
+            fine_tuning.check(cfg, lambda: hf.from_config(config, classes), classes)
 
     def setup(self, info: dict[str, Any], device: torch.device,
               memory_format: torch.memory_format) -> None:
