@@ -294,3 +294,12 @@ def test_integer_labels_are_ids_and_digit_names_stay_names(text_assets, tmp_path
                  class_names=["10", "2", "0"])  # names that are digits: matched as names
     labels = np.load(named.folder / "train" / "labels.npy").tolist()
     assert set(labels) == {0, 1, 2} and len(labels) == 9
+
+
+def test_under_amp_a_batch_is_padded_to_a_multiple_of_8(text_assets, tmp_path, composed):
+    assert composed("dataset=text", "precision=bf16").dataset.pad_to_multiple_of == 8
+    assert composed("dataset=text", "precision=fp32").dataset.pad_to_multiple_of == 1
+    loaded = load(text_assets, tmp_path, text_assets / "data", pad_to_multiple_of=8)
+    widths = {ids.shape[1] for ids, mask, _, _ in loaded.loader("val", micro_batch_size=16,
+                                                                  seed=0)}
+    assert widths and all(width % 8 == 0 for width in widths)

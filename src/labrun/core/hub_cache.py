@@ -32,8 +32,6 @@ PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 FETCHED = (CONFIG, WEIGHTS, SHARDED, "model-*.safetensors", TOKENIZER, "tokenizer_config.json",
            "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt",
            "sentencepiece.bpe.model", "spiece.model")
-
-
 OFFLINE = "HF_HUB_OFFLINE"
 
 
