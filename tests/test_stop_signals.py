@@ -4,6 +4,7 @@ DataLoader workers included."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -56,5 +57,23 @@ def test_one_ctrl_c_stops_whatever_order_it_arrives_in_and_a_second_aborts():
         assert signals.signum == signal.SIGINT
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: abort at once
+    finally:
+        restore()
+
+
+def test_a_signal_logs_nothing_in_its_handler_only_at_the_step_boundary(caplog):
+    """A handler that logs can land inside the logging module's own flush of the same file
+    (CPython runs handlers when a write is interrupted), which raises "reentrant call inside
+    BufferedWriter": the stop is logged by agreed(), at the step boundary, once."""
+    signals = StopSignals()
+    restore = signals.catch()
+    try:
+        with caplog.at_level(logging.INFO, logger="labrun.train.stop_signals"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.signum == signal.SIGTERM
+            assert caplog.messages == []  # nothing from inside the handler
+            assert signals.agreed(False, torch.device("cpu"))
+            assert signals.agreed(False, torch.device("cpu"))
+        assert caplog.messages == ["SIGTERM: stopping at this step with a checkpoint"]
     finally:
         restore()

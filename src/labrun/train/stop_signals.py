@@ -29,6 +29,7 @@ class StopSignals:
         self.signum: int | None = None
         self.interrupts = 0  # SIGINTs received
         self.requeue_handler = None  # the USR2 handler found when catching started
+        self.announced = False  # the stop was logged (at a step boundary, never in a handler)
 
     def catch(self) -> Callable[[], None]:
         """Install the handlers; returns what puts the previous ones back."""
@@ -49,9 +50,9 @@ class StopSignals:
                 # here, failing the run before its checkpoint. The step's batch is in hand and
                 # the run stops at a step boundary: the workers' deaths no longer matter.
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            # No logging here: a handler that logs can interrupt the logging module's own
+            # flush of the same stream, which raises "reentrant call" (agreed() logs instead).
             self.signum = signum
-            log.info(f"{signal.Signals(signum).name}: stopping after this step with a "
-                     f"checkpoint")
 
         for s in previous:
             signal.signal(s, handler)
@@ -66,6 +67,9 @@ class StopSignals:
             signum = int(flag.item())
         if signum:
             self.signum = signum
+            if not self.announced:
+                self.announced = True
+                log.info(f"{self.name}: stopping at this step with a checkpoint")
         return bool(signum)
 
     @property
