@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROJECT, PYTHON
-from labrun.models import hf
+from labrun.core import hub_cache
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -183,7 +183,7 @@ def test_the_fetch_leaves_the_hub_caches_layout_with_each_files_sha256(hub, fetc
     assert f"hf:{MODEL}@{commit} model.safetensors sha256 {served}" in result.stdout.splitlines()
     assert result.stdout.splitlines()[-1] == f"hf:{MODEL}@{commit}: {snapshot}"
     # What a run finds: the revision it records.
-    assert hf.locate(MODEL, None, str(cache)).revision == commit
+    assert hub_cache.locate(MODEL, None, str(cache)).revision == commit
 
 
 def test_a_second_fetch_finds_it_there_and_asks_for_no_file(hub, fetched):

@@ -89,14 +89,14 @@ def fetch(model_cfg, cache: str | None) -> int:
 
 def fetch_hf(model_cfg, cache: str | None) -> int:
     """`model=hf`: the model's snapshot, in the hub cache's own layout, by huggingface_hub's own
-    downloader, with the files a run loads only (hf.FETCHED: never pickled weights); then
+    downloader, with the files a run loads only (hub_cache.FETCHED: never pickled weights); then
     checked as a run checks it, and each file's sha256 printed."""
     from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.utils import disable_progress_bars
     from huggingface_hub.utils import logging as hf_logging
 
-    from labrun.models import hf
+    from labrun.core import hub_cache
 
     hf_logging.set_verbosity_error()  # its retries would print a line each; the outcome is ours
     # huggingface_hub's HTTP client (httpx2, not the httpx the CLI quiets) logs each request.
@@ -108,7 +108,7 @@ def fetch_hf(model_cfg, cache: str | None) -> int:
         raise ConfigError("labrun weights fetch model=hf needs model.name: the hub's id of the "
                           "model, as in model.name=bert-base-uncased")
     try:
-        found = hf.locate(name, revision, cache)
+        found = hub_cache.locate(name, revision, cache)
     except ConfigError:
         found = None  # not there, or not whole: fetched (again) below
     if found is not None and complete(found):
@@ -118,7 +118,7 @@ def fetch_hf(model_cfg, cache: str | None) -> int:
         return 0
 
     url = f"{constants.ENDPOINT}/{name}"
-    hub = hf.hub_caches(cache)[0]  # where locate looks first: WEIGHTS/hub, else HF_HUB_CACHE
+    hub = hub_cache.hub_caches(cache)[0]  # where locate looks first: WEIGHTS/hub, else HF_HOME's
     # Asked once first: snapshot_download retries an unreachable hub before it says so, and
     # this fails at once, before anything is written to the cache.
     try:
@@ -134,29 +134,29 @@ def fetch_hf(model_cfg, cache: str | None) -> int:
     print(f"hf:{name}@{info.sha}: fetching {url} ({revision or 'main'}) into {hub}")
     try:
         snapshot_download(repo_id=name, revision=revision or "main", cache_dir=hub,
-                          allow_patterns=list(hf.FETCHED))
+                          allow_patterns=list(hub_cache.FETCHED))
     except Exception as error:  # the connection lost on the way: fetch again to complete it
         raise unreachable(url, error) from None
-    snapshot = hf.locate(name, revision, cache)  # refuses what a run could not load, in one line
+    snapshot = hub_cache.locate(name, revision, cache)  # refuses what a run could not load
     print_files(snapshot)
     print(f"hf:{name}@{snapshot.revision}: {snapshot.folder}")
     return 0
 
 
 def complete(snapshot) -> bool:
-    """Whether the snapshot holds every file of hf.FETCHED that the repository has, as
+    """Whether the snapshot holds every file of hub_cache.FETCHED that the repository has, as
     huggingface_hub tells from the listing of the commit it kept at the fetch
     (models--*/trees/COMMIT.json): a fetch cut short may leave the config, the weights and
     tokenizer.json, which a run checks, without their companions (tokenizer_config.json)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from labrun.models import hf
+    from labrun.core import hub_cache
 
     hub = snapshot.folder.parents[2]  # HUB/models--ORG--NAME/snapshots/COMMIT
     try:
         snapshot_download(repo_id=snapshot.name, revision=snapshot.revision, cache_dir=hub,
-                          allow_patterns=list(hf.FETCHED), local_files_only=True)
+                          allow_patterns=list(hub_cache.FETCHED), local_files_only=True)
     except LocalEntryNotFoundError:  # IncompleteSnapshotError among them
         return False
     return True

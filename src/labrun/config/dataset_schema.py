@@ -212,7 +212,7 @@ class PythonDocsConfig:
 
 @dataclass
 class TextConfig:
-    """Labelled text for task=text_classification (data/text.py): CSV, JSONL or Parquet files,
+    """Labelled text for task=text_classification (data/text/): CSV, JSONL or Parquet files,
     or a folder saved by Hugging Face `datasets`; tokenized once by the model's tokenizer into a
     token cache."""
     new_keys: ClassVar[NewKeys] = NewKeys.TARGET

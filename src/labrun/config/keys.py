@@ -30,7 +30,8 @@ from labrun.config.dataset_schema import (
     SegmentationDatasetConfig,
 )
 from labrun.config.fields import NewKeys
-from labrun.config.schema import LoggerConfig, PretrainedModelConfig, TaskConfig
+from labrun.config.model_schema import PretrainedModelConfig
+from labrun.config.schema import LoggerConfig, TaskConfig
 from labrun.core import trust
 from labrun.core.errors import ConfigError
 

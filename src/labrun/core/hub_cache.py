@@ -1,6 +1,6 @@
 """The Hugging Face hub cache, read offline: where a model's snapshot is, at which commit, and
 whether a run may load it. The one owner of that layout; models/hf.py builds the model from a
-snapshot, data/text.py reads its tokenizer (both rooms above this one).
+snapshot, data/text/ reads its tokenizer (both rooms above this one).
 
     WEIGHTS/hub/models--ORG--NAME/refs/main                  the commit `main` was at
     WEIGHTS/hub/models--ORG--NAME/snapshots/COMMIT/          config.json, model.safetensors,

@@ -77,7 +77,7 @@ def epoch_loader(samples: Dataset, *, train: bool, micro_batch_size: int, seed: 
     """A loader of `samples` (a Dataset indexed by (epoch, index) keys, len() the number of
     samples) in EpochSampler's order, with exact resume and DDP sharding: the image formats',
     and that of a format making its own loaders (data/tokens.py, a lab's own). `sampler`: an
-    EpochSampler of another order for the same keys (data/text.py groups by length)."""
+    EpochSampler of another order for the same keys (data/text/ groups by length)."""
     if sampler is None:
         sampler = EpochSampler(len(samples), seed, rank, world_size, shuffle=train,
                                multiple=samples_per_step if train else 1, pad=train)

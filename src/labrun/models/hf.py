@@ -2,12 +2,14 @@
 
 A run never reaches the hub. It reads the snapshot `labrun weights fetch model=hf
 model.name=ID` left in the hub cache's own layout (labrun.core.hub_cache, first under the lab's
-`paths.weights_cache`, then under the user's HF_HOME), and gives transformers the snapshot's folder, a local path (`local_files_only=True` besides),
-so nothing is looked up by name. What labrun loads is limited to what cannot run code: weights
-in safetensors (a pickled `pytorch_model.bin` alone is refused), and no model whose config asks
-for its own code (`auto_map`: transformers' trust_remote_code, which labrun never sets). The
-revision is pinned: `model.revision` (a commit, a branch or a tag) or refs/main's commit,
-resolved once and recorded in every checkpoint.
+`paths.weights_cache`, then under the user's HF_HOME), and gives transformers the snapshot's
+folder, a local path (`local_files_only=True` besides), so nothing is looked up by name.
+
+What labrun loads is limited to what cannot run code: weights in safetensors (a pickled
+`pytorch_model.bin` alone is refused), and no model whose config asks for its own code
+(`auto_map`: transformers' trust_remote_code, which labrun never sets). The revision is
+pinned: `model.revision` (a commit, a branch or a tag) or refs/main's commit, resolved once and
+recorded in every checkpoint.
 
 transformers is an optional extra (`pip install labrun[nlp]`): imported only here, and only
 when a model is built; looking a snapshot up needs the file system alone.
@@ -18,29 +20,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from labrun.core.errors import ConfigError
-
-# The snapshot's layout and checks live with the cache (data/text.py reads the tokenizer there
-# too); re-exported, as `hf.locate` is what a reader of this module looks for.
-from labrun.core.hub_cache import (  # noqa: F401
-    FETCHED,
-    Snapshot,
-    check,
-    fetch_command,
-    hub_caches,
-    locate,
-    repo_folder,
-)
+from labrun.core.hub_cache import locate  # the snapshot's layout and checks: the cache's
 
 if TYPE_CHECKING:
     from torch import nn
 
 INSTALL = "pip install 'labrun[nlp]'"
-
-
-def snapshot_of(model_cfg: Any) -> Snapshot:
-    """The snapshot a `model=hf` config names."""
-    return locate(model_cfg.get("name"), model_cfg.get("revision"),
-                  model_cfg.get("weights_cache"))
 
 
 def _transformers() -> Any:

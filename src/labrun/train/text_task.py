@@ -2,7 +2,7 @@
 (dataset=text), single texts or pairs.
 
 A batch is (input_ids, attention_mask, token_type_ids, labels), padded to its longest text
-(data/text.py). The loss is cross-entropy summed over the examples: the Trainer divides by the
+(data/text/). The loss is cross-entropy summed over the examples: the Trainer divides by the
 examples of the whole step, so accumulation and DDP weigh every example alike. Evaluation sums
 the loss and a confusion matrix (true x predicted) over batches and ranks, exact in any order,
 and reads off it val/acc, macro val/f1 (over the classes present in truth or prediction, as
