@@ -3,7 +3,8 @@
 exported to ONNX and run by onnxruntime at batch sizes and lengths the export never saw, and
 to a transformers folder that transformers loads by itself; served by a real uvicorn on
 127.0.0.1, where concurrent requests share model calls and each still gets its lone answer;
-predicted from a CSV of the run's val texts.
+predicted from a CSV of the run's val texts. A model of text pairs, trained for one short
+epoch, goes the same way with pairs.
 
 Cheap on purpose (the suite's budget): one export per format, one server for every request."""
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from conftest import PROJECT, run_labrun
+from conftest import PROJECT, run_labrun, run_train
 from labrun import cli
 from labrun.deploy import runtime
 from labrun.deploy.served import serving
@@ -277,3 +278,75 @@ def test_predict_writes_the_labels_of_a_csv_and_prints_a_txt(exported, checkpoin
     lines.write_text("a goal\n\nrain\n")
     assert cli.main(["predict", str(exported["onnx"]), str(lines)]) == 2
     assert "texts.txt, line 2: empty" in capsys.readouterr().err
+
+
+def test_a_model_of_pairs_exports_serves_and_predicts_pairs(text_assets, tmp_path, capsys):
+    """Pairs end to end: trained (one short epoch: the answers are compared with the
+    checkpoint's, not with the truth), exported to ONNX with its token types, served, and
+    predicted from a CSV's two columns."""
+    data = tmp_path / "pairs"
+    data.mkdir()
+    topics = ["rain", "goal", "chip"]
+    for split, count in {"train": 48, "val": 12}.items():
+        rows = [{"premise": f"the {topics[i % 3]} {'and more ' * (i % 5)}today",
+                 "hypothesis": f"it was about {topics[(i // 3) % 3]}",
+                 "label": "yes" if i % 3 == (i // 3) % 3 else "no"} for i in range(count)]
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    run_train("experiment=text_tiny", f"dataset.path={data}", "dataset.text_column=premise",
+              "dataset.text_pair_column=hypothesis", "trainer.max_epochs=1",
+              f"paths.weights_cache={text_assets / 'weights'}",
+              f"paths.data_dir={tmp_path / 'processed'}", run_dir=run_dir)
+    out = tmp_path / "pairs.onnx"
+    assert cli.main(["export", str(run_dir), "--format", "onnx", "--out", str(out)]) == 0
+    meta = json.loads(runtime.metadata_path(out).read_text())
+    assert (meta["pairs"], meta["token_types"], meta["class_names"]) == (True, True,
+                                                                         ["no", "yes"])
+    assert meta["parity"]["passed"]
+
+    state = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    model = hf.from_config(state["hf"]["config"], 2)
+    model.load_state_dict(state["model"])
+    pairs = [(r["premise"], r["hypothesis"]) for r in rows[:4]]
+    tokenizer = Tokenizer.from_str(state["tokenizer"]["json"])
+    tokenizer.enable_truncation(state["text"]["max_length"])
+    tokenizer.enable_padding(pad_id=state["text"]["pad_id"])
+    encodings = tokenizer.encode_batch(pairs)
+    assert all(1 in e.type_ids for e in encodings)  # the second text: token type 1
+    with torch.no_grad():
+        expected = model.eval()(**{
+            key: torch.tensor([getattr(e, field) for e in encodings])
+            for key, field in (("input_ids", "ids"), ("attention_mask", "attention_mask"),
+                               ("token_type_ids", "type_ids"))}).logits.double().softmax(1)
+
+    with serving(out, tmp_path / "server.log", cwd=PROJECT) as served:
+        one = classify(served.url, {"text": pairs[0][0], "text_pair": pairs[0][1]})
+        many = classify(served.url, {"texts": [list(p) for p in pairs]})
+        lone = classify(served.url, {"text": pairs[0][0]})
+        health = httpx.get(f"{served.url}/health", timeout=10).json()
+    assert one.status_code == 200 and many.status_code == 200, (one.text, many.text)
+    for answer, probs in zip([one.json(), *many.json()["results"]], [expected[0], *expected],
+                             strict=True):
+        assert answer["label"] == ["no", "yes"][int(probs.argmax())]
+        np.testing.assert_allclose(list(answer["probs"].values()), probs.numpy(), atol=1e-5)
+    assert lone.status_code == 422 and "missing field 'text_pair'" in lone.json()["error"]
+    assert health["pairs"] is True
+
+    source, written = tmp_path / "pairs.csv", tmp_path / "labels.csv"
+    with open(source, "w", newline="", encoding="utf-8") as stream:
+        writer = csv.DictWriter(stream, ["premise", "hypothesis"])
+        writer.writeheader()
+        writer.writerows({"premise": a, "hypothesis": b} for a, b in pairs)
+    assert cli.main(["predict", str(out), str(source), "--csv", str(written), "--text-column",
+                     "premise", "--text-pair-column", "hypothesis"]) == 0
+    with open(written, newline="", encoding="utf-8") as stream:
+        predicted = list(csv.DictReader(stream))
+    assert list(predicted[0])[:5] == ["row", "premise", "hypothesis", "label", "prob"]
+    assert [(r["premise"], r["hypothesis"]) for r in predicted] == pairs
+    np.testing.assert_allclose([float(r["prob_yes"]) for r in predicted],
+                               expected[:, 1].numpy(), atol=1e-5)
+    # A single text is no input of a model of pairs: one line.
+    lines = tmp_path / "texts.txt"
+    lines.write_text("the rain today\n")
+    assert cli.main(["predict", str(out), str(lines)]) == 2
+    assert "this model classifies pairs of texts" in capsys.readouterr().err
