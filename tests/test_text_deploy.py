@@ -38,10 +38,11 @@ SAME_ANSWER_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def exported(text_run, tmp_path_factory) -> dict[str, Path]:
-    """The run's best checkpoint as ONNX (parity-checked on its val texts) and as a
-    transformers folder, through `labrun export` (in-process: its start-up costs seconds)."""
+    """The run's best checkpoint as ONNX and TorchScript (each parity-checked on its val texts)
+    and as a transformers folder, through `labrun export` (in-process: its start-up costs seconds)."""
     folder = tmp_path_factory.mktemp("text-export")
-    paths = {"onnx": folder / "best.onnx", "hf": folder / "best-hf"}
+    paths = {"onnx": folder / "best.onnx", "torchscript": folder / "best.pt",
+             "hf": folder / "best-hf"}
     for fmt, out in paths.items():
         assert cli.main(["export", str(text_run), "--format", fmt, "--out", str(out)]) == 0
     return paths
@@ -107,6 +108,17 @@ def test_the_onnx_export_keeps_batch_and_sequence_dynamic_with_the_eager_logits(
     parity = meta["parity"]
     assert parity["passed"] and parity["texts_from"].startswith("16 val texts")
     assert parity["shapes"][0][0] == 16 and parity["shapes"][1][0] == 1
+
+
+def test_torchscript_answers_as_onnx_does(exported, val_rows):
+    """The traced file in its runtime, with its several inputs, through the serving class."""
+    texts = [row["text"] for row in val_rows[:6]]
+    onnx, traced = (text.load(exported[fmt]) for fmt in ("onnx", "torchscript"))
+    assert (onnx.device, traced.device) == ("cpu", "cpu")
+    for a, b in zip(onnx.predict(texts), traced.predict(texts), strict=True):
+        assert_same(b, a, "torchscript")
+    meta = json.loads(runtime.metadata_path(exported["torchscript"]).read_text())
+    assert meta["format"] == "torchscript" and meta["parity"]["passed"]
 
 
 def test_the_hf_export_loads_in_transformers_with_the_same_logits_and_named_labels(
