@@ -207,3 +207,26 @@ def test_export_never_overwrites_its_checkpoint(digits_run, tmp_path):
     with pytest.raises(LabrunError, match="is the checkpoint being exported"):
         export.export(checkpoint, out=checkpoint, fmt="torchscript")
     assert torch.load(checkpoint, weights_only=True)["step"] > 0
+
+
+def test_logits_parity_counts_a_top1_flip_only_beyond_what_rounding_may_flip():
+    """LogitsParity (the lm's and the text classifier's check): the tolerance is relative to
+    the largest eager logit; a flip between two logits closer than twice it is rounding's."""
+    eager = torch.tensor([[4.0, 1.0, 0.0], [2.0, 2.0 - 1e-5, 0.0]])
+    same = export.LogitsParity(1e-4)
+    same.add(eager.clone(), eager)
+    assert same.passed and (same.top1_agree, same.positions, same.tolerance) == (2, 2, 4e-4)
+
+    close = eager.clone()
+    close[1, 1] += 2e-5  # the near tie flips, within tolerance: agreement drops, no mismatch
+    near = export.LogitsParity(1e-4)
+    near.add(close, eager)
+    assert near.passed and (near.top1_agree, near.top1_mismatches) == (1, 0)
+
+    flipped = eager.clone()
+    flipped[0, 1] = 5.0  # a wide margin flipped: a mismatch, and a difference far too big
+    wrong = export.LogitsParity(1e-4)
+    wrong.add(flipped, eager)
+    wrong.add(eager[:1], eager[:1])  # a later call that agrees changes neither
+    assert not wrong.passed and (wrong.top1_mismatches, wrong.positions) == (1, 3)
+    assert wrong.max_abs_diff == 4.0

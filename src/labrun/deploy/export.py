@@ -164,6 +164,42 @@ class Target:
 
 
 @dataclass
+class LogitsParity:
+    """Exported logits against the eager model's, summed over a parity check's calls, for a
+    task whose output is class scores (per text, per token): the largest difference, the
+    tolerance (`relative` x the largest eager logit, at least 1), and top-1 agreement, where a
+    flip counts as a mismatch only if the eager top two are further apart than twice the
+    tolerance (closer than that, rounding may honestly flip them)."""
+
+    relative: float  # Target.tolerance
+    max_abs_diff: float = 0.0
+    tolerance: float = 0.0
+    top1_agree: int = 0
+    top1_mismatches: int = 0
+    positions: int = 0  # the top-1 decisions compared
+
+    def add(self, exported: torch.Tensor, eager: torch.Tensor) -> None:
+        """One call's logits, [..., classes], on the CPU in float32."""
+        self.tolerance = max(self.tolerance, self.relative * max(1.0, eager.abs().max().item()))
+        self.max_abs_diff = max(self.max_abs_diff, (exported - eager).abs().max().item())
+        top2 = eager.topk(min(2, eager.shape[-1]), dim=-1).values
+        differs = exported.argmax(-1) != eager.argmax(-1)
+        margin = top2[..., 0] - top2[..., -1]
+        self.top1_mismatches += int((differs & (margin > 2 * self.tolerance)).sum())
+        self.top1_agree += int((~differs).sum())
+        self.positions += differs.numel()
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.tolerance and self.top1_mismatches == 0
+
+    def figures(self) -> dict[str, Any]:
+        return {"max_abs_diff": self.max_abs_diff, "tolerance": self.tolerance,
+                "top1_agree": self.top1_agree, "top1_mismatches": self.top1_mismatches,
+                "positions": self.positions, "passed": self.passed}
+
+
+@dataclass
 class Plan:
     """What a task's deploy module gives an export (its export_plan)."""
 

@@ -41,7 +41,7 @@ from fastapi import Request as HTTPRequest
 from labrun.core.errors import LabrunError, one_line
 from labrun.data import tokens
 from labrun.deploy import runtime
-from labrun.deploy.export import Plan, Target, build_model
+from labrun.deploy.export import LogitsParity, Plan, Target, build_model
 
 log = logging.getLogger(__name__)
 
@@ -142,26 +142,17 @@ def parity(path: Path, target: Target, reference: torch.nn.Module,
     run = target.runtime(path)
     half = max(1, batch.shape[1] // 2)
     shapes = [tuple(batch.shape), (1, half)]
-    diff, allowed, agree, mismatches, positions = 0.0, 0.0, 0, 0, 0
+    logits = LogitsParity(target.tolerance)
     for ids in (batch, batch[:1, :half]):
         with torch.inference_mode():
             eager = reference(ids.to(target.device)).float().cpu()
-        exported = torch.from_numpy(run(ids.numpy()))
-        allowed = max(allowed, target.tolerance * max(1.0, eager.abs().max().item()))
-        diff = max(diff, (exported - eager).abs().max().item())
-        top2 = eager.topk(min(2, eager.shape[-1]), dim=-1).values
-        differs = exported.argmax(-1) != eager.argmax(-1)
-        mismatches += int((differs & (top2[..., 0] - top2[..., -1] > 2 * allowed)).sum())
-        agree += int((~differs).sum())
-        positions += differs.numel()
-    passed = diff <= allowed and mismatches == 0
+        logits.add(torch.from_numpy(run(ids.numpy())), eager)
     return {"windows": len(batch), "windows_from": windows_from,
-            "shapes": [list(shape) for shape in shapes], "max_abs_diff": diff,
-            "tolerance": allowed, "top1_agree": agree, "positions": positions,
-            "top1_mismatches": mismatches, "passed": passed,
-            "failure": None if passed else (
-                f"parity check failed: max abs diff {diff:.2e} > {allowed:.2e} or the next "
-                f"token differs at {mismatches} token position(s)")}
+            "shapes": [list(shape) for shape in shapes], **logits.figures(),
+            "failure": None if logits.passed else (
+                f"parity check failed: max abs diff {logits.max_abs_diff:.2e} > "
+                f"{logits.tolerance:.2e} or the next token differs at "
+                f"{logits.top1_mismatches} token position(s)")}
 
 
 def report_parity(check: dict[str, Any], exporter: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from labrun.core.errors import LabrunError, one_line
-from labrun.deploy.export import Exported, Plan, Target, build_data
+from labrun.deploy.export import Exported, LogitsParity, Plan, Target, build_data
 
 log = logging.getLogger(__name__)
 
@@ -143,27 +143,19 @@ def parity(path: Path, target: Target, reference: torch.nn.Module,
     own = int(mask[shortest].sum())
     inputs = 3 if reference.token_types else 2
     run = target.runtime(path)
-    diff, allowed, agree, mismatches, shapes = 0.0, 0.0, 0, 0, []
+    logits, shapes = LogitsParity(target.tolerance), []
     for batch in ((ids, mask, types), tuple(t[shortest:shortest + 1, :own]
                                             for t in (ids, mask, types))):
         batch = batch[:inputs]
         with torch.inference_mode():
             eager = reference(*(t.to(target.device) for t in batch)).float().cpu()
-        exported = torch.from_numpy(run(*(t.numpy() for t in batch)))
-        allowed = max(allowed, target.tolerance * max(1.0, eager.abs().max().item()))
-        diff = max(diff, (exported - eager).abs().max().item())
-        top2 = eager.topk(min(2, eager.shape[1]), dim=1).values
-        differs = exported.argmax(1) != eager.argmax(1)
-        mismatches += int((differs & (top2[:, 0] - top2[:, -1] > 2 * allowed)).sum())
-        agree += int((~differs).sum())
+        logits.add(torch.from_numpy(run(*(t.numpy() for t in batch))), eager)
         shapes.append(list(batch[0].shape))
-    passed = diff <= allowed and mismatches == 0
-    return {"texts": len(ids), "texts_from": texts_from, "shapes": shapes,
-            "max_abs_diff": diff, "tolerance": allowed, "top1_agree": agree,
-            "top1_mismatches": mismatches, "passed": passed,
-            "failure": None if passed else (
-                f"parity check failed: max abs diff {diff:.2e} > {allowed:.2e} or top-1 "
-                f"differs on {mismatches} text(s)")}
+    return {"texts": len(ids), "texts_from": texts_from, "shapes": shapes, **logits.figures(),
+            "failure": None if logits.passed else (
+                f"parity check failed: max abs diff {logits.max_abs_diff:.2e} > "
+                f"{logits.tolerance:.2e} or top-1 differs on {logits.top1_mismatches} "
+                f"text(s)")}
 
 
 def report_parity(check: dict[str, Any], exporter: str) -> None:
@@ -171,7 +163,7 @@ def report_parity(check: dict[str, Any], exporter: str) -> None:
     shapes = " and ".join("x".join(map(str, shape)) for shape in check["shapes"])
     log.info(f"parity ({exporter}): {check['texts_from']}, token ids {shapes}: max abs diff "
              f"{check['max_abs_diff']:.2e} (tolerance {check['tolerance']:.2e}), top-1 agrees "
-             f"on {check['top1_agree']}/{check['texts'] + 1} -> {verdict}")
+             f"on {check['top1_agree']}/{check['positions']} -> {verdict}")
 
 
 def metadata(state: dict[str, Any], token_types: bool) -> dict[str, Any]:
