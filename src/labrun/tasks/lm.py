@@ -42,6 +42,7 @@ from labrun.core.errors import LabrunError, one_line
 from labrun.data import tokens
 from labrun.deploy import runtime
 from labrun.deploy.export import LogitsParity, Plan, Target, build_model
+from labrun.deploy.requests import RequestError, json_object
 
 log = logging.getLogger(__name__)
 
@@ -181,14 +182,6 @@ def metadata(state: dict[str, Any], logits_size: int) -> dict[str, Any]:
 # Serving: a request in
 
 
-class RequestError(LabrunError):
-    """A /generate request that cannot be answered; the message says what to send instead."""
-
-    def __init__(self, message: str, status: int = 422):
-        super().__init__(message)
-        self.status = status  # 400: no readable JSON object; 422: a field's value
-
-
 @dataclass(frozen=True)
 class Request:
     prompt: str
@@ -206,17 +199,7 @@ REQUIRED = ("prompt", "max_tokens")
 
 def parse_request(body: bytes) -> Request:
     """A POST /generate body -> its Request; RequestError names the first problem and the fix."""
-    try:
-        fields = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise RequestError(f"the body is not UTF-8 (byte {error.start}); send a JSON object "
-                           f"such as {EXAMPLE_REQUEST}", 400) from None
-    except ValueError as error:
-        raise RequestError(f"the body is not JSON ({one_line(error)}); send a JSON object "
-                           f"such as {EXAMPLE_REQUEST}", 400) from None
-    if not isinstance(fields, dict):
-        raise RequestError(f"the body is JSON but not an object; send one such as "
-                           f"{EXAMPLE_REQUEST}", 400)
+    fields = json_object(body, EXAMPLE_REQUEST)
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
         raise RequestError(f"unknown field {', '.join(map(repr, unknown))}: the fields are "

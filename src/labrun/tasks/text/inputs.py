@@ -10,17 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from labrun.core.errors import LabrunError, one_line
+from labrun.core.errors import LabrunError
+from labrun.deploy.requests import RequestError, json_object
 
 MAX_TEXTS = 64  # texts one request may send: a model call's worth (--max-batch is 16)
-
-
-class RequestError(LabrunError):
-    """A /predict request that cannot be answered; the message says what to send instead."""
-
-    def __init__(self, message: str, status: int = 422):
-        super().__init__(message)
-        self.status = status  # 400: no readable JSON object; 413: too many texts; 422: a field
 
 
 TextInput = str | tuple[str, str]  # a text, or a pair
@@ -35,17 +28,7 @@ class Request:
 def parse_request(body: bytes, pairs: bool) -> Request:
     """A POST /predict body -> its texts; RequestError names the first problem and the fix."""
     example = ('{"text": "...", "text_pair": "..."}' if pairs else '{"text": "..."}')
-    try:
-        fields = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise RequestError(f"the body is not UTF-8 (byte {error.start}); send a JSON object "
-                           f"such as {example}", 400) from None
-    except ValueError as error:
-        raise RequestError(f"the body is not JSON ({one_line(error)}); send a JSON object "
-                           f"such as {example}", 400) from None
-    if not isinstance(fields, dict):
-        raise RequestError(f"the body is JSON but not an object; send one such as {example}",
-                           400)
+    fields = json_object(body, example)
     known = ("text", "text_pair", "texts") if pairs else ("text", "texts")
     unknown = sorted(set(fields) - set(known))
     if unknown:
