@@ -514,7 +514,9 @@ def _in_a_test(lines: list[str]) -> str:
 
 # Verdicts through variables, the last line of each (issue 54): the first as the issue gives
 # it; then the old slowloris window of tests/faults/test_server.py (a 5 s deadline, 3 s late)
-# and the old cache-period check of tests/test_queue_exporter.py, as they were.
+# and the old cache-period check of tests/test_queue_exporter.py, as they were. These strings
+# are the rule's input, never run: each is a clock verdict the rule must find (the test below
+# fails if it does not), so they read like the assertions the rule forbids.
 CLOCK_VERDICTS_THROUGH_VARIABLES = {
     "a duration held": ["elapsed = time.monotonic() - t0", "CHECK elapsed < 5"],
     "two times held": ["start = time.time()", "work()", "end = time.time()",
